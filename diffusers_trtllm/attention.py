@@ -1,0 +1,150 @@
+"""Functional entry point: pack, resolve skip-softmax and SAGE, pick a route, run, unpack."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._logging import warn_once
+from .config import QuantConfig, SkipSoftmaxConfig
+from .layout import LayoutCache, PackedLayout, key_padding_mask
+from .routes import AttentionCall, AttentionResult, NoRouteError, select_route
+
+__all__ = ["attention", "run_attention", "resolve_skip_factor", "resolve_quant", "build_layout"]
+
+FALLBACKS = (None, "dense")
+
+
+def resolve_skip_factor(
+    skip: SkipSoftmaxConfig | None, max_seqlen_kv: int, timestep: float | None, role: str = "self"
+) -> float | None:
+    """The kernel's scale factor for this call, or None to run dense (gated, or not configured)."""
+    if skip is None or not skip.configured:
+        return None
+    if skip.gated and timestep is None:
+        warn_once(
+            ("no-timestep", role),
+            "skip-softmax: disabled_until_timestep=%s is set but no denoising timestep is known, so "
+            "attention stays dense. Publish it with DenoiseStepCallback (pipe(..., "
+            "callback_on_step_end=DenoiseStepCallback(proc))) or attach_denoise_tracking(pipe, proc).",
+            skip.disabled_until_timestep,
+        )
+        return None
+    if not skip.active_at(timestep):
+        return None
+    return skip.scale_factor(max_seqlen_kv)
+
+
+def resolve_quant(quant: QuantConfig | None, layout: PackedLayout, role: str = "self") -> QuantConfig | None:
+    """SAGE settings for this call: None when off, or when a KV sequence is shorter than a K block."""
+    if quant is None or not quant.enabled:
+        return None
+    if layout.min_seqlen_kv < quant.k_block_size:
+        warn_once(
+            ("sage-short-kv", role, quant.k_block_size),
+            "SAGE quantization is configured for attention role %r, but a KV sequence has %d tokens, fewer "
+            "than k_block_size=%d; that attention runs unquantized.",
+            role,
+            layout.min_seqlen_kv,
+            quant.k_block_size,
+        )
+        return None
+    return quant
+
+
+def build_layout(
+    query: torch.Tensor, key: torch.Tensor, attn_mask: torch.Tensor | None, cache: LayoutCache | None = None
+) -> PackedLayout:
+    """Layout of ``[batch, tokens, heads, dim]`` inputs under an optional key-padding mask."""
+    batch, q_len = query.shape[:2]
+    kv_len = key.shape[1]
+    if attn_mask is None:
+        return PackedLayout.dense(batch, q_len, kv_len, query.device)
+
+    def build() -> PackedLayout:
+        kv_mask = key_padding_mask(attn_mask, batch, q_len, kv_len)
+        if bool(kv_mask.all()):
+            return PackedLayout.dense(batch, q_len, kv_len, query.device)
+        return PackedLayout.from_masks(batch, q_len, kv_len, kv_mask=kv_mask)
+
+    if cache is None:
+        return build()
+    return cache.get(attn_mask, (batch, q_len, kv_len), build)
+
+
+def run_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    attn_mask: torch.Tensor | None = None,
+    layout: PackedLayout | None = None,
+    softmax_scale: float | None = None,
+    skip: SkipSoftmaxConfig | None = None,
+    quant: QuantConfig | dict | None = None,
+    timestep: float | None = None,
+    backend: str = "auto",
+    fallback: str | None = None,
+    role: str = "self",
+    collect_stats: bool = False,
+    layout_cache: LayoutCache | None = None,
+) -> tuple[torch.Tensor, AttentionResult]:
+    """Attention over ``[batch, tokens, heads, dim]`` tensors; returns the output and the route's result."""
+    if fallback not in FALLBACKS:
+        raise ValueError(f"fallback must be None or 'dense'; got {fallback!r}.")
+    if query.ndim != 4 or key.ndim != 4 or value.ndim != 4:
+        raise ValueError(
+            "query, key and value must be [batch, tokens, heads, head_dim]; got shapes "
+            f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}."
+        )
+    if key.shape[:3] != value.shape[:3] or query.shape[0] != key.shape[0] or query.shape[-1] != key.shape[-1]:
+        raise ValueError(
+            f"query {tuple(query.shape)}, key {tuple(key.shape)} and value {tuple(value.shape)} do not agree "
+            "(same batch; key and value same tokens and heads; query and key same head_dim)."
+        )
+    if query.shape[2] % key.shape[2]:
+        raise ValueError(f"query heads ({query.shape[2]}) must be a multiple of key heads ({key.shape[2]}).")
+    if layout is not None and attn_mask is not None:
+        raise ValueError("pass attn_mask or layout, not both.")
+    if layout is None:
+        layout = build_layout(query, key, attn_mask, layout_cache)
+    quant = QuantConfig.from_kwargs(quant) if isinstance(quant, dict) else quant
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(query.shape[-1])
+    call = AttentionCall(
+        q=layout.pack_q(query),
+        k=layout.pack_kv(key),
+        v=layout.pack_kv(value),
+        layout=layout,
+        softmax_scale=scale,
+        skip_factor=resolve_skip_factor(skip, layout.max_seqlen_kv, timestep, role),
+        quant=resolve_quant(quant, layout, role),
+        collect_stats=collect_stats,
+        role=role,
+    )
+    try:
+        route = select_route(call, backend)
+    except NoRouteError as err:
+        if fallback != "dense" or (call.skip_factor is None and call.quant is None):
+            raise
+        dense = AttentionCall(**{**call.__dict__, "skip_factor": None, "quant": None})
+        route = select_route(dense, backend)
+        dropped = ", ".join(
+            name for name, on in (("skip-softmax", call.skip_factor is not None), ("SAGE", call.quant is not None)) if on
+        )
+        warn_once(
+            ("fallback-dense", role, dropped, route.name),
+            "fallback='dense': running %s attention dense on route %r without %s, because:\n%s",
+            role,
+            route.name,
+            dropped,
+            err,
+        )
+        call = dense
+    result = route.run(call)
+    return layout.unpack_q(result.out), result
+
+
+def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs) -> torch.Tensor:
+    """``run_attention`` returning only the ``[batch, q_tokens, heads, head_dim]`` output."""
+    return run_attention(query, key, value, **kwargs)[0]

@@ -1,0 +1,1 @@
+"""Kernel routes: each module wraps one implementation behind the ``Route`` interface."""

@@ -1,0 +1,240 @@
+"""PyTorch oracle for every route: exact dense attention, the skip-softmax tile
+rule and SAGE quantization (as quantize-then-dequantize), on any device.
+
+Memory stays bounded: one sequence at a time, query tiles in chunks, KV tile by
+KV tile with an online softmax, so a 32k-token, 12-head sequence fits on a CPU.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..config import QuantConfig
+from ..routes import AttentionCall, AttentionResult, Capabilities, Route, register_route
+
+__all__ = ["ReferenceResult", "ReferenceRoute", "reference_attention", "sage_quantize", "SageTensors", "P_FP8_SCALE"]
+
+#: Floor of a block's amax before it becomes a scale (DESIGN.md).
+AMAX_FLOOR = 1.0e-3
+FP8_MAX = 448.0
+#: P (in [0, 1]) is multiplied by this before its fp8 cast for the P·V product.
+P_FP8_SCALE = 448.0
+#: Elements of the score tile processed at once (bounds memory at ~256 MiB fp32).
+_CHUNK_ELEMENTS = 64 * 1024 * 1024
+
+
+@dataclass
+class SageTensors:
+    """Quantized Q/K/V with their scales, in FlashInfer's SAGE layout.
+
+    ``q_scale``: ``[heads, n_q_blocks]``, ``k_scale``: ``[kv_heads, n_k_blocks]``
+    (blocks numbered in token order, restarting at every sequence boundary);
+    ``v_scale``: ``[kv_heads, dim]``. ``k`` is smoothed when ``smooth_k`` was set.
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    q_scale: torch.Tensor
+    k_scale: torch.Tensor
+    v_scale: torch.Tensor
+    q_block_id: torch.Tensor
+    k_block_id: torch.Tensor
+
+    def dequantize(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Back to float32 ``[tokens, heads, dim]``."""
+        q = self.q.float() * self.q_scale.t()[self.q_block_id][:, :, None]
+        k = self.k.float() * self.k_scale.t()[self.k_block_id][:, :, None]
+        v = self.v.float() * self.v_scale[None]
+        return q, k, v
+
+
+def block_ids(cu_seqlens: torch.Tensor, lens: tuple[int, ...], block: int) -> tuple[torch.Tensor, int]:
+    """Block index of each packed token; blocks restart at each sequence so none straddles two."""
+    device = cu_seqlens.device
+    ids, offset = [], 0
+    for n in lens:
+        ids.append(torch.arange(n, device=device) // block + offset)
+        offset += -(-n // block)
+    return (torch.cat(ids) if ids else torch.zeros(0, dtype=torch.long, device=device)), offset
+
+
+def _quantize_blocks(x: torch.Tensor, ids: torch.Tensor, n_blocks: int, qmax: float, dtype: torch.dtype):
+    """Per-(head, block) scale ``max(amax, floor) / qmax``; values rounded and saturated."""
+    tokens, heads, _ = x.shape
+    amax = x.abs().amax(dim=-1).float()  # [tokens, heads]
+    block_amax = torch.zeros(n_blocks, heads, device=x.device, dtype=torch.float32)
+    block_amax.index_reduce_(0, ids, amax, "amax", include_self=True)
+    scale = block_amax.clamp_min(AMAX_FLOOR) / qmax  # [blocks, heads]
+    scaled = x.float() / scale[ids][:, :, None]
+    if dtype == torch.int8:
+        quant = scaled.round().clamp(-qmax, qmax).to(torch.int8)
+    else:
+        quant = scaled.clamp(-FP8_MAX, FP8_MAX).to(dtype)
+    return quant, scale.t().contiguous()
+
+
+def sage_quantize(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_kv: torch.Tensor,
+    q_lens: tuple[int, ...],
+    kv_lens: tuple[int, ...],
+    quant: QuantConfig,
+) -> SageTensors:
+    """SAGE quantization of packed ``[tokens, heads, dim]`` Q, K, V (DESIGN.md's layout)."""
+    k = k.float()
+    if quant.smooth_k:
+        k = k - k.mean(dim=0, keepdim=True)
+    q_ids, nq = block_ids(cu_seqlens_q, q_lens, quant.q_block_size)
+    k_ids, nk = block_ids(cu_seqlens_kv, kv_lens, quant.k_block_size)
+    q_q, q_scale = _quantize_blocks(q, q_ids, nq, quant.qk_max, quant.qk_dtype)
+    k_q, k_scale = _quantize_blocks(k, k_ids, nk, quant.qk_max, quant.qk_dtype)
+    v_scale = v.float().abs().amax(dim=0).clamp_min(AMAX_FLOOR) / FP8_MAX  # [heads, dim]
+    v_q = (v.float() / v_scale[None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return SageTensors(q_q, k_q, v_q, q_scale, k_scale, v_scale, q_ids, k_ids)
+
+
+@dataclass
+class ReferenceResult:
+    out: torch.Tensor
+    skipped_tiles: int
+    total_tiles: int
+
+    @property
+    def skipped_fraction(self) -> float:
+        return self.skipped_tiles / self.total_tiles if self.total_tiles else 0.0
+
+
+def reference_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_kv: torch.Tensor,
+    q_lens: tuple[int, ...],
+    kv_lens: tuple[int, ...],
+    *,
+    softmax_scale: float,
+    skip_factor: float | None = None,
+    quant: QuantConfig | None = None,
+    tile_q: int = 128,
+    tile_kv: int = 128,
+    heads: slice | None = None,
+) -> ReferenceResult:
+    """Attention over packed ``[tokens, heads, dim]`` tensors, non-causal.
+
+    ``skip_factor`` enables the skip rule with ``lambda = skip_factor / kv_len``
+    per sequence: KV tile ``j > 0`` of a query tile is skipped when every row has
+    ``exp(local_max - running_max) < lambda``. With ``quant`` Q/K/V go through
+    SAGE quantization and P is rounded to fp8 before P·V, as the kernels do.
+    ``heads`` restricts the work to some heads (the benchmark subsamples them).
+    """
+    out_dtype = q.dtype
+    if quant is not None and quant.enabled:
+        sage = sage_quantize(q, k, v, cu_seqlens_q, cu_seqlens_kv, q_lens, kv_lens, quant)
+        q, k, v = sage.dequantize()
+        pv_fp8 = True
+    else:
+        q, k, v = q.float(), k.float(), v.float()
+        pv_fp8 = False
+    group = q.shape[1] // k.shape[1]
+    if group > 1:  # grouped-query attention: give every query head its own K/V view
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    if heads is not None:
+        q, k, v = q[:, heads], k[:, heads], v[:, heads]
+    out = torch.zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=torch.float32, device=q.device)
+    skipped = total = 0
+    q0 = kv0 = 0
+    for lq, lkv in zip(q_lens, kv_lens):
+        if lq and lkv:
+            qs = q[q0 : q0 + lq].transpose(0, 1)  # [H, lq, D]
+            ks = k[kv0 : kv0 + lkv].transpose(0, 1)
+            vs = v[kv0 : kv0 + lkv].transpose(0, 1)
+            lam = None if skip_factor is None else skip_factor / lkv
+            o, s, t = _attend_sequence(qs, ks, vs, softmax_scale, lam, pv_fp8, tile_q, tile_kv)
+            out[q0 : q0 + lq] = o.transpose(0, 1)
+            skipped, total = skipped + s, total + t
+        q0, kv0 = q0 + lq, kv0 + lkv
+    return ReferenceResult(out.to(out_dtype), skipped, total)
+
+
+def _attend_sequence(q, k, v, scale, lam, pv_fp8, tile_q, tile_kv):
+    """One sequence, ``[H, L, D]`` float32: online softmax over KV tiles, query tiles in chunks."""
+    heads, lq, _ = q.shape
+    lkv = k.shape[1]
+    n_qt, n_kt = -(-lq // tile_q), -(-lkv // tile_kv)
+    tiles_per_chunk = max(1, _CHUNK_ELEMENTS // (heads * tile_q * tile_kv))
+    out = torch.empty(heads, lq, v.shape[-1], device=q.device)
+    skipped = 0
+    for t0 in range(0, n_qt, tiles_per_chunk):
+        r0, r1 = t0 * tile_q, min(lq, (t0 + tiles_per_chunk) * tile_q)
+        qc = q[:, r0:r1]
+        rows = r1 - r0
+        n_tiles = -(-rows // tile_q)
+        pad_rows = n_tiles * tile_q - rows
+        m = torch.full((heads, rows), -math.inf, device=q.device)
+        denom = torch.zeros(heads, rows, device=q.device)
+        acc = torch.zeros(heads, rows, v.shape[-1], device=q.device)
+        for j in range(n_kt):
+            c0, c1 = j * tile_kv, min(lkv, (j + 1) * tile_kv)
+            s = torch.matmul(qc, k[:, c0:c1].transpose(1, 2)) * scale  # [H, rows, cols]
+            local = s.amax(dim=-1)
+            if lam is not None and j > 0:
+                below = torch.exp(local - m) < lam
+                below = torch.nn.functional.pad(below, (0, pad_rows), value=True)
+                tile_skip = below.view(heads, n_tiles, tile_q).all(dim=-1)  # [H, n_tiles]
+                skipped += int(tile_skip.sum())
+                row_skip = tile_skip.repeat_interleave(tile_q, dim=1)[:, :rows]
+                m_new = torch.where(row_skip, m, torch.maximum(m, local))
+            else:
+                row_skip = None
+                m_new = torch.maximum(m, local)
+            p = torch.exp(s - m_new[..., None])
+            if row_skip is not None:
+                p = p.masked_fill(row_skip[..., None], 0.0)
+            alpha = torch.exp(m - m_new)
+            denom = denom * alpha + p.sum(dim=-1)
+            if pv_fp8:
+                p = (p * P_FP8_SCALE).to(torch.float8_e4m3fn).float() / P_FP8_SCALE
+            acc = acc * alpha[..., None] + torch.matmul(p, v[:, c0:c1])
+            m = m_new
+        out[:, r0:r1] = acc / denom[..., None]
+    return out, skipped, heads * n_qt * n_kt
+
+
+class ReferenceRoute(Route):
+    """The oracle as a route: exact skip rule and emulated SAGE, on any device; never auto."""
+
+    name = "reference"
+    auto = False
+    caps = Capabilities(
+        device_types=frozenset({"cuda", "cpu"}),
+        dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
+        skip_softmax=True,
+        sage_dtypes=frozenset({"int8", "fp8_e4m3"}),
+    )
+
+    def run(self, call: AttentionCall) -> AttentionResult:
+        layout = call.layout
+        res = reference_attention(
+            call.q,
+            call.k,
+            call.v,
+            layout.cu_seqlens_q,
+            layout.cu_seqlens_kv,
+            layout.q_lens,
+            layout.kv_lens,
+            softmax_scale=call.softmax_scale,
+            skip_factor=call.skip_factor,
+            quant=call.quant,
+        )
+        return AttentionResult(res.out, self.name, res.skipped_tiles, res.total_tiles)
+
+
+register_route(ReferenceRoute())
