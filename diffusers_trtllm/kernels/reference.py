@@ -30,8 +30,8 @@ _CHUNK_ELEMENTS = 64 * 1024 * 1024
 class SageTensors:
     """Quantized Q/K/V with their scales, in FlashInfer's SAGE layout.
 
-    ``q_scale``: ``[heads, n_q_blocks]``, ``k_scale``: ``[kv_heads, n_k_blocks]``
-    (blocks numbered in token order, restarting at every sequence boundary);
+    ``q_scale``: ``[heads, n_q_slots]``, ``k_scale``: ``[kv_heads, n_k_slots]``
+    (slots as ``block_ids`` numbers them: blocks never straddle two sequences);
     ``v_scale``: ``[kv_heads, dim]``. ``k`` is smoothed when ``smooth_k`` was set.
     """
 
@@ -53,13 +53,19 @@ class SageTensors:
 
 
 def block_ids(cu_seqlens: torch.Tensor, lens: tuple[int, ...], block: int) -> tuple[torch.Tensor, int]:
-    """Block index of each packed token; blocks restart at each sequence so none straddles two."""
+    """Scale slot of each packed token, and the number of slots, in FlashInfer's layout.
+
+    Token ``t`` of sequence ``b`` uses slot ``cu_seqlens[b] // block + b + t // block``
+    out of ``ceil(total / block) + batch - 1``: the ``+ b`` keeps a trailing partial
+    block from being shared with the next sequence (some slots stay unused).
+    """
     device = cu_seqlens.device
-    ids, offset = [], 0
-    for n in lens:
-        ids.append(torch.arange(n, device=device) // block + offset)
-        offset += -(-n // block)
-    return (torch.cat(ids) if ids else torch.zeros(0, dtype=torch.long, device=device)), offset
+    ids, start = [], 0
+    for b, n in enumerate(lens):
+        ids.append(torch.arange(n, device=device) // block + (start // block + b))
+        start += n
+    n_slots = -(-start // block) + len(lens) - 1
+    return (torch.cat(ids) if ids else torch.zeros(0, dtype=torch.long, device=device)), n_slots
 
 
 def _quantize_blocks(x: torch.Tensor, ids: torch.Tensor, n_blocks: int, qmax: float, dtype: torch.dtype):
@@ -67,7 +73,7 @@ def _quantize_blocks(x: torch.Tensor, ids: torch.Tensor, n_blocks: int, qmax: fl
     tokens, heads, _ = x.shape
     amax = x.abs().amax(dim=-1).float()  # [tokens, heads]
     block_amax = torch.zeros(n_blocks, heads, device=x.device, dtype=torch.float32)
-    block_amax.index_reduce_(0, ids, amax, "amax", include_self=True)
+    block_amax.scatter_reduce_(0, ids[:, None].expand(-1, heads), amax, "amax")
     scale = block_amax.clamp_min(AMAX_FLOOR) / qmax  # [blocks, heads]
     scaled = x.float() / scale[ids][:, :, None]
     if dtype == torch.int8:
@@ -126,6 +132,8 @@ def reference_attention(
     tile_q: int = 128,
     tile_kv: int = 128,
     heads: slice | None = None,
+    sage: SageTensors | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
 ) -> ReferenceResult:
     """Attention over packed ``[tokens, heads, dim]`` tensors, non-causal.
 
@@ -134,15 +142,15 @@ def reference_attention(
     ``exp(local_max - running_max) < lambda``. With ``quant`` Q/K/V go through
     SAGE quantization and P is rounded to fp8 before P·V, as the kernels do.
     ``heads`` restricts the work to some heads (the benchmark subsamples them).
+    ``sage`` takes already quantized tensors instead (``q``/``k``/``v`` are then
+    those quantized tensors and the output has ``out_dtype``), to check a kernel's
+    quantizer and attention separately.
     """
-    out_dtype = q.dtype
-    if quant is not None and quant.enabled:
+    out_dtype = q.dtype if sage is None else out_dtype
+    if sage is None and quant is not None and quant.enabled:
         sage = sage_quantize(q, k, v, cu_seqlens_q, cu_seqlens_kv, q_lens, kv_lens, quant)
-        q, k, v = sage.dequantize()
-        pv_fp8 = True
-    else:
-        q, k, v = q.float(), k.float(), v.float()
-        pv_fp8 = False
+    pv_fp8 = sage is not None
+    q, k, v = sage.dequantize() if pv_fp8 else (q.float(), k.float(), v.float())
     group = q.shape[1] // k.shape[1]
     if group > 1:  # grouped-query attention: give every query head its own K/V view
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
