@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 
@@ -127,7 +128,7 @@ def run_attention(
     except NoRouteError as err:
         if fallback != "dense" or (call.skip_factor is None and call.quant is None):
             raise
-        dense = AttentionCall(**{**call.__dict__, "skip_factor": None, "quant": None})
+        dense = replace(call, skip_factor=None, quant=None)
         route = select_route(dense, backend)
         dropped = ", ".join(
             name for name, on in (("skip-softmax", call.skip_factor is not None), ("SAGE", call.quant is not None)) if on
