@@ -1,9 +1,12 @@
 """TRT-LLM attention kernels (skip-softmax sparsity, SAGE quantization) for Hugging Face Diffusers."""
 
 from .attention import attention, run_attention
+from .calibration import load_calibration
 from .config import QuantConfig, SkipSoftmaxConfig
 from .layout import PackedLayout
+from .processor import TrtllmAttnProcessor
 from .routes import NoRouteError, route_names
+from .timestep import DenoiseStepCallback, attach_denoise_tracking, detach_denoise_tracking
 
 __version__ = "0.1.0"
 
@@ -15,4 +18,9 @@ __all__ = [
     "PackedLayout",
     "NoRouteError",
     "route_names",
+    "TrtllmAttnProcessor",
+    "DenoiseStepCallback",
+    "attach_denoise_tracking",
+    "detach_denoise_tracking",
+    "load_calibration",
 ]

@@ -16,8 +16,9 @@ import torch
 
 __all__ = ["PackedLayout", "LayoutCache", "MaskNotSupportedError", "key_padding_mask"]
 
-#: Additive-mask values at or below this count as "masked out".
-_ADDITIVE_MASKED = -1.0e4
+#: Additive-mask values at or below this count as "masked out" (their exp() is 0 in fp32 anyway);
+#: not -1e4, because LTX's ``-10000.0`` mask becomes -9984 in bf16.
+_ADDITIVE_MASKED = -1.0e3
 
 
 class MaskNotSupportedError(ValueError):

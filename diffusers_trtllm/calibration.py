@@ -1,0 +1,239 @@
+"""Skip-softmax calibration from checkpoints (NVIDIA ModelOpt's ``sparse_attention_config``).
+
+A transformer's ``config.json`` may carry::
+
+    "sparse_attention_config": {"config_groups": {"group_0": {
+      "algorithm": "skip_softmax",
+      "threshold_scale_factor": {"formula": "a * exp(b * target_sparsity)",
+                                 "coefficients": {"a": 2822.62, "b": 4.388}},
+      "target_sparsity": 0.7, "disabled_until_timestep": 0.93,
+      "ignore": ["blocks.0.attn1", "blocks.39.*"]}}}
+
+``coefficients`` may be spelled ``prefill``; the formula may be
+``exp(log_a + b * target_sparsity)`` (then the coefficients are ``log_a`` and ``b``).
+``ignore`` holds fnmatch patterns of module names (relative to the transformer) that
+stay dense; an optional ``targets`` list limits a group to matching modules (the
+first matching group wins). Wan 2.2's two experts each carry their own curve.
+
+The checkpoint's ``target_sparsity`` and ``disabled_until_timestep`` apply when the
+processor was built without a skip control; a user's ``target_sparsity`` uses the
+checkpoint's curve; a ``skip_softmax_threshold`` needs no curve.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+from .processor import Calibration, LayerState
+
+__all__ = ["CalibrationGroup", "parse_sparse_attention_config", "read_calibration", "load_calibration", "FORMULAS"]
+
+#: Supported curve formulas (whitespace-insensitive) and the coefficient naming the scale.
+FORMULAS = {
+    "a*exp(b*target_sparsity)": "a",
+    "exp(log_a+b*target_sparsity)": "log_a",
+}
+_TRANSFORMER_ATTRS = ("transformer", "transformer_2")
+
+
+@dataclass(frozen=True)
+class CalibrationGroup:
+    """One ``config_groups`` entry: a curve, checkpoint defaults and the modules it covers."""
+
+    name: str
+    a: float
+    b: float
+    target_sparsity: float | None = None
+    disabled_until_timestep: float | None = None
+    ignore: tuple[str, ...] = ()
+    targets: tuple[str, ...] = ("*",)
+
+    def covers(self, module_name: str) -> bool:
+        return any(fnmatch.fnmatchcase(module_name, p) for p in self.targets)
+
+    def ignores(self, module_name: str) -> bool:
+        return any(fnmatch.fnmatchcase(module_name, p) for p in self.ignore)
+
+
+def _number(group: str, key: str, value: Any, lo: float | None = None, hi: float | None = None) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"sparse_attention_config group {group!r}: {key} must be a finite number; got {value!r}.")
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise ValueError(f"sparse_attention_config group {group!r}: {key} must be in [{lo}, {hi}]; got {value!r}.")
+    return float(value)
+
+
+def _patterns(group: str, key: str, value: Any, default: tuple[str, ...]) -> tuple[str, ...]:
+    if value is None:
+        return default
+    if isinstance(value, str) or not all(isinstance(p, str) for p in value):
+        raise ValueError(f"sparse_attention_config group {group!r}: {key} must be a list of fnmatch patterns; got {value!r}.")
+    return tuple(value)
+
+
+def _parse_group(name: str, group: Any) -> CalibrationGroup:
+    if not isinstance(group, Mapping):
+        raise ValueError(f"sparse_attention_config group {name!r} must be an object; got {type(group).__name__}.")
+    algorithm = group.get("algorithm", "skip_softmax")
+    if algorithm != "skip_softmax":
+        raise ValueError(
+            f"sparse_attention_config group {name!r}: algorithm {algorithm!r} is not supported; "
+            "only 'skip_softmax' calibrations can drive this processor."
+        )
+    tsf = group.get("threshold_scale_factor")
+    if not isinstance(tsf, Mapping):
+        raise ValueError(
+            f"sparse_attention_config group {name!r} has no threshold_scale_factor object "
+            '({"formula": ..., "coefficients": {...}}); add one or drop the group.'
+        )
+    formula = str(tsf.get("formula", "")).replace(" ", "")
+    if formula not in FORMULAS:
+        raise ValueError(
+            f"sparse_attention_config group {name!r}: formula {tsf.get('formula')!r} is not supported; "
+            "use 'a * exp(b * target_sparsity)' or 'exp(log_a + b * target_sparsity)'."
+        )
+    coeffs = tsf.get("coefficients", tsf.get("prefill"))
+    scale_key = FORMULAS[formula]
+    if not isinstance(coeffs, Mapping) or scale_key not in coeffs or "b" not in coeffs:
+        raise ValueError(
+            f"sparse_attention_config group {name!r}: threshold_scale_factor needs 'coefficients' (or 'prefill') "
+            f"with {scale_key!r} and 'b' for formula {tsf.get('formula')!r}; got {coeffs!r}."
+        )
+    b = _number(name, "b", coeffs["b"])
+    if scale_key == "a":
+        a = _number(name, "a", coeffs["a"])
+        if a <= 0:
+            raise ValueError(f"sparse_attention_config group {name!r}: a must be > 0; got {a!r}.")
+    else:
+        a = math.exp(_number(name, "log_a", coeffs["log_a"]))
+    ts, dut = group.get("target_sparsity"), group.get("disabled_until_timestep")
+    return CalibrationGroup(
+        name=name,
+        a=a,
+        b=b,
+        target_sparsity=None if ts is None else _number(name, "target_sparsity", ts, 0.0, 1.0),
+        disabled_until_timestep=None if dut is None else _number(name, "disabled_until_timestep", dut, 0.0, 1.0),
+        ignore=_patterns(name, "ignore", group.get("ignore"), ()),
+        targets=_patterns(name, "targets", group.get("targets"), ("*",)),
+    )
+
+
+def parse_sparse_attention_config(config: Mapping[str, Any]) -> list[CalibrationGroup]:
+    """Validate a ``sparse_attention_config`` object (or a dict holding one) into groups."""
+    if "sparse_attention_config" in config:
+        config = config["sparse_attention_config"]
+    groups = config.get("config_groups") if isinstance(config, Mapping) else None
+    if not isinstance(groups, Mapping) or not groups:
+        raise ValueError(
+            'sparse_attention_config must hold a non-empty "config_groups" object of groups '
+            f"({{\"group_0\": {{\"algorithm\": \"skip_softmax\", ...}}}}); got {config!r:.200}."
+        )
+    return [_parse_group(str(name), group) for name, group in groups.items()]
+
+
+def read_calibration(source: str | os.PathLike | Mapping[str, Any]) -> Mapping[str, Any]:
+    """A calibration object from a dict, a JSON file, or a model directory's ``config.json``."""
+    if isinstance(source, Mapping):
+        return source
+    path = os.fspath(source)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"calibration file {path!r} does not exist; pass a JSON file, a model directory or a dict.")
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _own_config(transformer: torch.nn.Module) -> Mapping[str, Any] | None:
+    """The transformer's ``sparse_attention_config``: from its config, else its directory's config.json."""
+    config = getattr(transformer, "config", None) or {}
+    found = config.get("sparse_attention_config") if hasattr(config, "get") else None
+    if found is not None:
+        return {"sparse_attention_config": found}
+    directory = config.get("_name_or_path") if hasattr(config, "get") else None
+    if directory and os.path.isfile(os.path.join(str(directory), "config.json")):
+        on_disk = read_calibration(str(directory))
+        if "sparse_attention_config" in on_disk:
+            return on_disk
+    return None
+
+
+def _transformers(target: Any) -> dict[str, torch.nn.Module]:
+    if isinstance(target, torch.nn.Module):
+        return {"transformer": target}
+    found = {a: getattr(target, a, None) for a in _TRANSFORMER_ATTRS}
+    found = {a: m for a, m in found.items() if isinstance(m, torch.nn.Module)}
+    if not found:
+        raise ValueError(f"{type(target).__name__} has no transformer; pass a pipeline or a transformer module.")
+    return found
+
+
+def _layers(transformer: torch.nn.Module) -> list[tuple[str, LayerState]]:
+    found = []
+    for name, module in transformer.named_modules():
+        state = module.__dict__.get("_trtllm_layer")
+        if state is not None:
+            state.name = name
+            found.append((name, state))
+    return found
+
+
+def load_calibration(target: Any, path_or_dict: str | os.PathLike | Mapping[str, Any] | None = None) -> dict[str, dict[str, int]]:
+    """Apply skip-softmax calibrations to the layers a ``TrtllmAttnProcessor`` serves.
+
+    ``target``: a pipeline (its ``transformer`` and ``transformer_2``) or one transformer,
+    with the processor already installed. ``path_or_dict``: None reads each transformer's
+    own config; a dict / JSON file / model directory holds either one
+    ``sparse_attention_config`` for all transformers or ``{"transformer": ..., "transformer_2": ...}``.
+    Returns, per transformer, how many layers got a curve and how many stay dense.
+    """
+    transformers = _transformers(target)
+    given = read_calibration(path_or_dict) if path_or_dict is not None else None
+    summary: dict[str, dict[str, int]] = {}
+    missing: list[str] = []
+    for attr, transformer in transformers.items():
+        layers = _layers(transformer)
+        if not layers:
+            raise ValueError(
+                f"{attr} ({type(transformer).__name__}) has no layer served by TrtllmAttnProcessor; "
+                "install it first: transformer.set_attn_processor(TrtllmAttnProcessor(...))."
+            )
+        if given is None:
+            config = _own_config(transformer)
+        elif any(k in given for k in _TRANSFORMER_ATTRS):
+            config = given.get(attr)
+        else:
+            config = given
+        groups = parse_sparse_attention_config(config) if config is not None else []
+        counts = {"calibrated": 0, "ignored": 0, "uncovered": 0}
+        for name, state in layers:
+            group = next((g for g in groups if g.covers(name)), None)
+            state.ignored = group is not None and group.ignores(name)
+            state.calibration = None
+            if group is None:
+                counts["uncovered"] += 1
+            elif state.ignored:
+                counts["ignored"] += 1
+            else:
+                state.calibration = Calibration(group.a, group.b, group.target_sparsity, group.disabled_until_timestep,
+                                                source=f"{attr}:{group.name}")
+                counts["calibrated"] += 1
+            state.refresh()
+            if state.settings().skip.target_sparsity is not None and state.calibration is None and not state.ignored:
+                missing.append(f"{attr}.{name}")
+        summary[attr] = counts
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ValueError(
+            f"target_sparsity is set but no calibration curve covers {shown}. Load a sparse_attention_config "
+            "that covers these modules (its 'targets'), list them in its 'ignore' to keep them dense, or use "
+            "skip_softmax_threshold instead of target_sparsity."
+        )
+    return summary

@@ -1,0 +1,123 @@
+"""Timestep gating: every step, the first included, runs dense or sparse by the rule ``t <= d``."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
+
+import tiny_models
+from diffusers_trtllm import DenoiseStepCallback, TrtllmAttnProcessor, attach_denoise_tracking
+from diffusers_trtllm.timestep import TimestepNormalizer, detach_denoise_tracking
+
+STEPS = 5
+GATE = 0.5
+
+
+def _install(pipe, proc):
+    for transformer in (pipe.transformer, getattr(pipe, "transformer_2", None)):
+        if transformer is not None:
+            transformer.set_attn_processor(proc)
+
+
+def _expected(pipe) -> list[tuple[float, str]]:
+    n = pipe.scheduler.config.num_train_timesteps
+    return [(round(float(ts) / n, 4), "sparse" if float(ts) / n <= GATE else "dense") for ts in pipe.scheduler.timesteps]
+
+
+def _observed(proc) -> list[tuple[float, str]]:
+    return [(round(r["t"], 4), r["mode"]) for r in proc.step_table()]
+
+
+@pytest.mark.parametrize(
+    "build",
+    [tiny_models.flux_pipeline, tiny_models.wan_pipeline, tiny_models.sd3_pipeline],
+    ids=["flux_t_over_1000", "wan_raw", "sd3_raw_no_current_timestep"],
+)
+def test_hook_gates_every_step(build):
+    pipe, kwargs = build()
+    proc = TrtllmAttnProcessor(skip_softmax_threshold=0.1, disabled_until_timestep=GATE, backend="reference")
+    _install(pipe, proc)
+    attach_denoise_tracking(pipe, proc)
+    pipe(**kwargs, num_inference_steps=STEPS)
+    expected = _expected(pipe)
+    assert {m for _, m in expected} == {"dense", "sparse"}, "the schedule must straddle the gate"
+    assert _observed(proc) == expected
+    # A second run restarts the statistics and gates the same way.
+    pipe(**kwargs, num_inference_steps=STEPS)
+    assert _observed(proc) == expected
+    detach_denoise_tracking(pipe)
+
+
+def test_wan22_two_experts_tracked():
+    pipe, kwargs = tiny_models.wan_pipeline(two_experts=True)
+    proc = TrtllmAttnProcessor(skip_softmax_threshold=0.1, disabled_until_timestep=GATE, backend="reference")
+    _install(pipe, proc)
+    attach_denoise_tracking(pipe, proc)
+    pipe(**kwargs, num_inference_steps=STEPS)
+    assert _observed(proc) == _expected(pipe)
+    high = {r.step for s in proc.layers if s.name and s in [m._trtllm_layer for m in pipe.transformer.modules()
+                                                          if hasattr(m, "_trtllm_layer")] for r in s.records}
+    assert high and len(high) < STEPS, "the high-noise expert serves the early steps only"
+
+
+def test_callback_alone_first_step_dense_then_rule(caplog):
+    pipe, kwargs = tiny_models.flux_pipeline()
+    proc = TrtllmAttnProcessor(skip_softmax_threshold=0.1, disabled_until_timestep=0.9, backend="reference")
+    _install(pipe, proc)
+
+    class Other(PipelineCallback):
+        tensor_inputs = ["latents"]
+
+        def callback_fn(self, pipeline, step_index, timestep, callback_kwargs):
+            return callback_kwargs
+
+    seen = []
+    callback = DenoiseStepCallback(proc, on_step=lambda i, t: seen.append((i, t)))
+    with caplog.at_level(logging.WARNING, logger="diffusers_trtllm"):
+        pipe(**kwargs, num_inference_steps=STEPS, callback_on_step_end=MultiPipelineCallbacks([Other(), callback]))
+    rows = proc.step_table()
+    n = pipe.scheduler.config.num_train_timesteps
+    # The first step's t is unknown to a callback (it runs after a step): dense, no warning.
+    assert rows[0]["t"] is None and rows[0]["mode"] == "dense"
+    later = [(round(r["t"], 4), r["mode"]) for r in rows[1:]]
+    assert later == [(round(float(ts) / n, 4), "sparse" if float(ts) / n <= 0.9 else "dense")
+                     for ts in pipe.scheduler.timesteps[1:]]
+    assert seen[-1] == (STEPS - 1, None)
+    assert not [r for r in caplog.records if "no denoising timestep" in r.message]
+
+
+def test_gating_without_any_timestep_stays_dense_and_warns_once(caplog):
+    from diffusers_trtllm import _logging
+
+    _logging._warned.discard(("no-timestep", "joint"))
+    _logging._warned.discard(("no-timestep", "self"))
+    model, inputs = tiny_models.build("flux")
+    proc = TrtllmAttnProcessor(skip_softmax_threshold=0.1, disabled_until_timestep=0.5, backend="reference")
+    model.set_attn_processor(proc)
+    with caplog.at_level(logging.WARNING, logger="diffusers_trtllm"), torch.no_grad():
+        model(**inputs)
+        model(**inputs)
+    assert all(not r.sparse for s in proc.layers for r in s.records)
+    messages = [r.message for r in caplog.records if "no denoising timestep" in r.message]
+    assert 1 <= len(messages) <= 2 and "attach_denoise_tracking" in messages[0]
+
+
+def test_normalizer_detects_t_over_1000_and_raw():
+    class Sched:
+        config = {"num_train_timesteps": 1000}
+        timesteps = torch.tensor([1000.0, 750.0, 501.0, 251.0, 1.0])
+
+    class Pipe:
+        scheduler = Sched()
+
+    pipe = Pipe()  # held weakly by the normalizer
+    norm = TimestepNormalizer(pipe)
+    assert norm(750.0) == 0.75 and norm(0.75) == 0.75  # raw, and already divided
+    assert norm(1.0) == 0.001  # raw last step of SD3's schedule, not "t = 1"
+    assert abs(norm(0.5009765625) - 0.501) < 1e-9  # a bf16 reading snaps to the scheduler's value
+    assert TimestepNormalizer(None)(900.0) == 0.9 and TimestepNormalizer(None, divisor=1.0)(0.3) == 0.3
+    with pytest.raises(ValueError, match="normalized timestep"):
+        TrtllmAttnProcessor().set_timestep(3.0)
