@@ -1,0 +1,302 @@
+"""``triton`` route: the project's own forward attention kernel, for SM80 and newer.
+
+One kernel serves dense bf16/fp16, SAGE (int8 or fp8 e4m3 QK with per-block
+scales, fp8 P·V with per-channel V scales; see ``triton_quant``) and the
+skip-softmax tile rule, over ragged batches (``cu_seqlens``), non-causal, head
+dim 64 or 128. It exists because FlashInfer's SAGE kernels need SM100+: on
+Hopper (and Ampere/Ada) this is the only route that serves ``quant=...``.
+
+Semantics are the reference's (``reference.reference_attention``) with
+``tile_q = BLOCK_M`` and ``tile_kv = BLOCK_N`` (SAGE 64 x 128, dense 128 x 128 by
+default, from H200 sweeps; ``KernelConfig`` overrides them): scores live in the
+log2 domain (``log2(e)`` folded into the scale), P is formed as ``448 * p`` directly (``exp2(s - m + log2 448)``) and
+cast to fp8, and the row sum carries the same factor, so it cancels.
+Hopper tools: tensor descriptors (TMA) for every tile load, software-pipelined
+KV loop (``num_stages``), int8 ``tl.dot`` into int32 and fp8 ``tl.dot``.
+
+Triton is a guarded import: without it the module still imports and the route
+reports the missing package.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..config import QuantConfig
+from ..layout import PackedLayout
+from ..routes import AttentionCall, AttentionResult, Capabilities, Route, device_sm, register_route
+
+__all__ = ["TritonRoute", "TritonAttentionOutput", "triton_attention", "KernelConfig"]
+
+LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Tile sizes (they define the skip rule's tiles) and launch knobs."""
+
+    block_m: int = 128
+    block_n: int = 128
+    num_warps: int = 8
+    num_stages: int = 3
+    warp_specialize: bool = False
+
+
+#: Launch knobs by qk kind, picked from H200 sweeps (benchmarks/bench_triton.py --sweep).
+_TUNED: dict[str, KernelConfig] = {
+    "dense": KernelConfig(128, 128, 8, 3, warp_specialize=True),
+    "int8": KernelConfig(64, 128, 4, 3),
+    "fp8_e4m3": KernelConfig(64, 128, 4, 3),
+}
+
+
+def default_config(qk_kind: str) -> KernelConfig:
+    return _TUNED[qk_kind]
+
+
+@dataclass
+class TritonAttentionOutput:
+    out: torch.Tensor
+    skipped_tiles: int | None
+    total_tiles: int
+
+
+try:  # optional dependency: without it the route reports why it cannot run
+    import triton
+    import triton.language as tl
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError as exc:  # pragma: no cover - exercised only where triton is absent
+    triton = None
+    _TRITON_MISSING: str | None = f"needs the triton package with tensor descriptors (pip install 'triton>=3.4'): {exc}"
+else:
+    _TRITON_MISSING = None
+
+if triton is not None:
+    from . import triton_quant
+    from .triton_quant import round_fp8_grid, vt_start
+
+    _LOG2_P_SCALE = tl.constexpr(math.log2(448.0))
+
+    @triton.jit
+    def _update(acc, l_i, m_i, s, q_row_scale, local, desc_v, v_row, v_col, SAGE: tl.constexpr,
+                NATIVE: tl.constexpr):
+        """Online-softmax update with one KV tile; log2-domain scores are ``s * q_row_scale``."""
+        m_new = tl.maximum(m_i, local)
+        alpha = tl.math.exp2(m_i - m_new)
+        if SAGE:  # 448 * p, ready for the fp8 cast; l carries the same factor
+            p = tl.math.exp2(s * q_row_scale[:, None] - (m_new - _LOG2_P_SCALE)[:, None])
+        else:
+            p = tl.math.exp2(s * q_row_scale - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if SAGE:
+            vt = desc_v.load([v_row, v_col])  # [HEAD_DIM, BLOCK_N], tokens contiguous
+            if NATIVE:
+                pq = p.to(tl.float8e4nv)
+            else:
+                pq = round_fp8_grid(p).to(tl.float16)
+            acc = tl.dot(pq, vt.T, acc)
+        else:
+            v = desc_v.load([v_row, v_col])
+            acc = tl.dot(p.to(v.dtype), v, acc)
+        return acc, l_i, m_new
+
+    @triton.jit
+    def _tile(acc, l_i, m_i, n_skipped, q, q_row_scale, row_ok, desc_k, desc_v, k_scale_ptr, k_scale_first,
+              kv_start, v_start, start_n, kv_len, kv_col, log2_lam, qk_scale,
+              HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr, K_BS: tl.constexpr,
+              MASK: tl.constexpr, SKIP: tl.constexpr, NATIVE: tl.constexpr):
+        """One KV tile: scores, the skip decision, and (unless skipped) the softmax/P·V update."""
+        cols = start_n + tl.arange(0, BLOCK_N)
+        k = desc_k.load([kv_start + start_n, kv_col])
+        # s: scores before the per-row factor q_row_scale (> 0), applied in the exponent's FMA.
+        if QUANT == 0:
+            s = tl.dot(q, k.T)
+        else:
+            if QUANT == 1:  # |int8 dot| < 2**22: adding 1.5 * 2**23's bit pattern makes an exact float
+                s = (tl.dot(q, k.T, out_dtype=tl.int32) + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+            else:
+                s = tl.dot(q, k.T)
+            s = s * tl.load(k_scale_ptr + k_scale_first + cols // K_BS, mask=cols < kv_len, other=0.0)[None, :]
+        if MASK:
+            s = tl.where((cols < kv_len)[None, :], s, -float("inf"))
+        local = tl.max(s, 1) * q_row_scale
+        if QUANT == 0:
+            v_row, v_col = kv_start + start_n, kv_col
+        else:
+            v_row, v_col = kv_col, v_start + start_n
+        if SKIP:
+            excess = tl.max(tl.where(row_ok, local - m_i, -float("inf")), 0)
+            keep = (start_n == 0) | (excess >= log2_lam)
+            n_skipped += 1 - keep.to(tl.int32)
+            if keep:
+                acc, l_i, m_i = _update(acc, l_i, m_i, s, q_row_scale, local, desc_v, v_row, v_col, QUANT != 0, NATIVE)
+        else:
+            acc, l_i, m_i = _update(acc, l_i, m_i, s, q_row_scale, local, desc_v, v_row, v_col, QUANT != 0, NATIVE)
+        return acc, l_i, m_i, n_skipped
+
+    @triton.jit
+    def _attn_fwd(
+        desc_q, desc_k, desc_v, out_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, stats_ptr,
+        cu_q_ptr, cu_kv_ptr, qk_scale, skip_factor, n_q_blocks, n_k_blocks, stride_ot, stride_oh,
+        H: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        QUANT: tl.constexpr, Q_BS: tl.constexpr, K_BS: tl.constexpr, SKIP: tl.constexpr, STATS: tl.constexpr,
+        NATIVE: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    ):
+        m0 = tl.program_id(0) * BLOCK_M
+        seq = tl.program_id(1) // H
+        head = tl.program_id(1) % H
+        kv_head = head // GROUP
+        q_start = tl.load(cu_q_ptr + seq)
+        q_len = tl.load(cu_q_ptr + seq + 1) - q_start
+        if m0 < q_len:
+            kv_start = tl.load(cu_kv_ptr + seq)
+            kv_len = tl.load(cu_kv_ptr + seq + 1) - kv_start
+            rows = m0 + tl.arange(0, BLOCK_M)
+            row_ok = rows < q_len
+            dims = tl.arange(0, HEAD_DIM)
+            q = desc_q.load([q_start + m0, head * HEAD_DIM])
+            if QUANT == 0:
+                q_row_scale = qk_scale
+                k_scale_first = 0
+                v_start = kv_start
+            else:
+                q_first = head * n_q_blocks + q_start // Q_BS + seq
+                q_row_scale = tl.load(q_scale_ptr + q_first + rows // Q_BS, mask=row_ok, other=1.0) * qk_scale
+                k_scale_first = kv_head * n_k_blocks + kv_start // K_BS + seq
+                v_start = vt_start(seq, kv_start)
+            log2_lam = tl.log2(skip_factor / kv_len.to(tl.float32))  # -inf when skip_factor == 0
+            m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
+            l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+            n_skipped = tl.full((), 0, tl.int32)
+            kv_col = kv_head * HEAD_DIM
+            full = (kv_len // BLOCK_N) * BLOCK_N
+            for start_n in tl.range(0, full, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+                acc, l_i, m_i, n_skipped = _tile(
+                    acc, l_i, m_i, n_skipped, q, q_row_scale, row_ok, desc_k, desc_v, k_scale_ptr, k_scale_first,
+                    kv_start, v_start, start_n, kv_len, kv_col, log2_lam, qk_scale,
+                    HEAD_DIM, BLOCK_N, QUANT, K_BS, False, SKIP, NATIVE)
+            if full < kv_len:  # the ragged last tile, masked
+                acc, l_i, m_i, n_skipped = _tile(
+                    acc, l_i, m_i, n_skipped, q, q_row_scale, row_ok, desc_k, desc_v, k_scale_ptr, k_scale_first,
+                    kv_start, v_start, full, kv_len, kv_col, log2_lam, qk_scale,
+                    HEAD_DIM, BLOCK_N, QUANT, K_BS, True, SKIP, NATIVE)
+            o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+            if QUANT != 0:
+                o = o * tl.load(v_scale_ptr + kv_head * HEAD_DIM + dims)[None, :]
+            tok = (q_start + rows).to(tl.int64)
+            tl.store(out_ptr + tok[:, None] * stride_ot + head * stride_oh + dims[None, :],
+                     o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+            if STATS:
+                tl.atomic_add(stats_ptr, n_skipped)
+
+
+
+def _rows_desc(x: torch.Tensor, block: list[int]):
+    """TMA descriptor over ``[tokens, heads * dim]`` (a view of ``[tokens, heads, dim]``)."""
+    if x.stride(2) != 1 or x.stride(1) != x.shape[2] or (x.stride(0) * x.element_size()) % 16 or x.data_ptr() % 16:
+        x = x.contiguous()
+    return TensorDescriptor.from_tensor(x.view(x.shape[0], -1), block)
+
+
+def triton_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: PackedLayout,
+    *,
+    softmax_scale: float,
+    skip_factor: float | None = None,
+    quant: QuantConfig | None = None,
+    collect_stats: bool = False,
+    config: KernelConfig | None = None,
+) -> TritonAttentionOutput:
+    """Attention over packed ``[tokens, heads, dim]`` tensors with the Triton kernel.
+
+    ``config`` overrides the tuned tile sizes and launch knobs (tests use small
+    tiles; the skip rule's tiles are ``block_m x block_n``).
+    """
+    if _TRITON_MISSING:
+        raise RuntimeError(_TRITON_MISSING)
+    tokens_q, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    if dim not in (64, 128):
+        raise ValueError(f"the triton route supports head dim 64 or 128; got {dim}.")
+    if heads % kv_heads:
+        raise ValueError(f"query heads ({heads}) must be a multiple of KV heads ({kv_heads}).")
+    sage = quant is not None and quant.enabled
+    qk_kind = quant.dtype_qk if sage else "dense"
+    cfg = config or default_config(qk_kind)
+    bm, bn = cfg.block_m, cfg.block_n
+    out = torch.empty(tokens_q, heads, dim, dtype=q.dtype, device=q.device)
+    if sage:
+        st = triton_quant.sage_quantize_triton(q, k, v, layout, quant)
+        desc_q = _rows_desc(st.q, [bm, dim])
+        desc_k = _rows_desc(st.k, [bn, dim])
+        desc_v = TensorDescriptor.from_tensor(st.vt, [dim, bn])
+        scales = (st.q_scale, st.k_scale, st.v_scale)
+        n_blocks = (st.q_scale.shape[1], st.k_scale.shape[1])
+        block_sizes = (quant.q_block_size, quant.k_block_size)
+        quant_code = 1 if quant.dtype_qk == "int8" else 2
+    else:
+        desc_q = _rows_desc(q, [bm, dim])
+        desc_k = _rows_desc(k, [bn, dim])
+        desc_v = _rows_desc(v, [bn, dim])
+        scales = (out,) * 3  # never read
+        n_blocks, block_sizes, quant_code = (0, 0), (1, 1), 0
+    stats = torch.zeros(1, dtype=torch.int32, device=q.device) if collect_stats else out  # out: never written
+    grid = (triton.cdiv(layout.max_seqlen_q, bm), layout.num_seqs * heads)
+    _attn_fwd[grid](
+        desc_q, desc_k, desc_v, out, *scales, stats,
+        layout.cu_seqlens_q, layout.cu_seqlens_kv, softmax_scale * LOG2E,
+        float(skip_factor or 0.0), *n_blocks, out.stride(0), out.stride(1),
+        H=heads, GROUP=heads // kv_heads, HEAD_DIM=dim, BLOCK_M=bm, BLOCK_N=bn,
+        QUANT=quant_code, Q_BS=block_sizes[0], K_BS=block_sizes[1],
+        SKIP=skip_factor is not None, STATS=collect_stats and skip_factor is not None,
+        NATIVE=triton_quant.fp8_native(q.device), WARP_SPECIALIZE=cfg.warp_specialize,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    total = heads * sum(-(-lq // bm) * -(-lkv // bn) for lq, lkv in zip(layout.q_lens, layout.kv_lens) if lq and lkv)
+    skipped = int(stats.item()) if collect_stats and skip_factor is not None else (0 if collect_stats else None)
+    return TritonAttentionOutput(out, skipped, total)
+
+
+class TritonRoute(Route):
+    """The project's Triton kernel: dense, skip-softmax and SAGE on SM80+ (fp8 QK on SM89+)."""
+
+    name = "triton"
+    caps = Capabilities(
+        min_sm=80,
+        head_dims=frozenset({64, 128}),
+        skip_softmax=True,
+        sage_dtypes=frozenset({"int8", "fp8_e4m3"}),
+    )
+
+    def extra_reasons(self, call: AttentionCall) -> list[str]:
+        reasons = []
+        if _TRITON_MISSING:
+            reasons.append(_TRITON_MISSING)
+        sm = device_sm(call.q.device)
+        if call.quant is not None and call.quant.dtype_qk == "fp8_e4m3" and sm is not None and sm < 89:
+            reasons.append(f"fp8 e4m3 QK needs SM >= 89 (this GPU is sm_{sm}); use quant dtype_qk='int8'")
+        return reasons
+
+    def run(self, call: AttentionCall) -> AttentionResult:
+        res = triton_attention(
+            call.q,
+            call.k,
+            call.v,
+            call.layout,
+            softmax_scale=call.softmax_scale,
+            skip_factor=call.skip_factor,
+            quant=call.quant,
+            collect_stats=call.collect_stats,
+        )
+        return AttentionResult(res.out, self.name, res.skipped_tiles, res.total_tiles if call.collect_stats else None)
+
+
+register_route(TritonRoute())

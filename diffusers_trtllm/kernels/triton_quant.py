@@ -1,0 +1,229 @@
+"""SAGE quantization for the ``triton`` route: one fused Triton pass over Q, K and V.
+
+Produces DESIGN.md's layout (the one ``reference.sage_quantize`` defines): Q/K int8
+or fp8 e4m3 with one scale per (head, block of consecutive tokens of one
+sequence), V fp8 e4m3 with one scale per (head, channel). Two small torch
+reductions run first (V's per-channel amax and, with ``smooth_k``, K's mean over
+all tokens); then one kernel launch quantizes every Q tile, K tile and V tile.
+
+V is written transposed, ``[kv_heads * dim, padded tokens]``, because Hopper's
+fp8 tensor-core product needs the reduction dimension (tokens, in P·V)
+contiguous. Sequence ``b`` starts there at column ``vt_start(b) = 16 * (cu[b] // 16
++ 2 * b)``, a multiple of 16 (TMA box offsets along the contiguous dimension must
+be 16-byte aligned) computable in-kernel; the gap up to the next start is zeroed.
+Rounding is done explicitly (round half to even), so the stored values equal the
+reference's whatever path the compiler takes for a cast. Where fp8 is not native (the Triton interpreter, whose fp8
+casts round wrongly, and SM80/86, which have no fp8), values are rounded to the
+e4m3 grid in fp32 and V is kept in fp16: the arithmetic is the same.
+
+Triton is imported at module import; ``triton_attn`` imports this module lazily.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ..config import QuantConfig
+from ..layout import PackedLayout
+from .reference import AMAX_FLOOR, FP8_MAX
+
+__all__ = ["TritonSage", "sage_quantize_triton", "fp8_native", "interpreting", "round_fp8_grid", "vt_start"]
+
+#: Tokens per program of the quantization kernel (a multiple of every block size).
+QUANT_BLOCK_T = 64
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def fp8_native(device: torch.device) -> bool:
+    """fp8 e4m3 casts and tensor-core products exist (SM89+), and we are not interpreting."""
+    if interpreting() or device.type != "cuda":
+        return False
+    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (8, 9)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+@dataclass
+class TritonSage:
+    """Quantized Q/K/V and scales as the attention kernel reads them.
+
+    ``q``/``k``: ``[tokens, heads, dim]`` int8 or fp8; ``vt``: ``[kv_heads * dim, tokens_padded]``
+    fp8 (fp16 holding e4m3 values where fp8 is not native), sequence ``b`` from column
+    ``vt_start(b)``; scales as in ``SageTensors``
+    (token ``t`` of sequence ``b`` uses scale slot ``cu_seqlens[b] // block + b + t // block``;
+    unused slots are left unwritten).
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    vt: torch.Tensor
+    q_scale: torch.Tensor
+    k_scale: torch.Tensor
+    v_scale: torch.Tensor
+
+    def v(self, layout: PackedLayout) -> torch.Tensor:
+        """V back in ``[tokens, kv_heads, dim]`` order (for tests and inspection)."""
+        kv_heads, dim = self.v_scale.shape
+        cu = [0, *itertools.accumulate(layout.kv_lens)]
+        cols = torch.cat([torch.arange(n) + vt_start.fn(b, cu[b]) for b, n in enumerate(layout.kv_lens)]).to(self.vt.device)
+        return self.vt[:, cols].reshape(kv_heads, dim, -1).permute(2, 0, 1)
+
+
+def scale_slots(lens: tuple[int, ...], block: int) -> int:
+    """Scale slots of FlashInfer's layout: ``ceil(total / block) + num_seqs - 1``."""
+    return -(-sum(lens) // block) + len(lens) - 1
+
+
+@triton.jit
+def vt_start(seq, kv_start):
+    """Column of sequence ``seq``'s first token in the transposed V (``vt_start.fn`` on the host)."""
+    return 16 * (kv_start // 16 + 2 * seq)
+
+
+@triton.jit
+def _rne(x):
+    """Round to the nearest integer, ties to even (|x| < 2**22), as ``torch.round``."""
+    r = tl.floor(x + 0.5)
+    odd_tie = ((r - x) == 0.5) & (tl.floor(r * 0.5) != r * 0.5)
+    return tl.where(odd_tie, r - 1.0, r)
+
+
+@triton.jit
+def round_fp8_grid(x):
+    """Round fp32 values (|x| <= 448) to the nearest e4m3 value, ties to even, staying fp32."""
+    bits = x.to(tl.int32, bitcast=True)
+    lsb = (bits >> 20) & 1
+    normal = ((bits + 0x7FFFF + lsb) & -0x100000).to(tl.float32, bitcast=True)  # keep 3 mantissa bits
+    subnormal = _rne(x * 512.0) * 0.001953125  # multiples of 2**-9
+    return tl.where(tl.abs(x) < 0.015625, subnormal, normal)
+
+
+@triton.jit
+def _quantize_tile(x, QMAX: tl.constexpr, BS: tl.constexpr, BLOCK_T: tl.constexpr, IS_INT8: tl.constexpr,
+                   NATIVE: tl.constexpr):
+    """Per-block scales of a ``[BLOCK_T, D]`` fp32 tile whose first row starts a block."""
+    amax = tl.max(tl.abs(x), axis=1)
+    block_amax = tl.max(tl.reshape(amax, (BLOCK_T // BS, BS)), axis=1)
+    scale = tl.math.div_rn(tl.maximum(block_amax, 1.0e-3), QMAX)
+    row_scale = tl.reshape(tl.broadcast_to(scale[:, None], (BLOCK_T // BS, BS)), (BLOCK_T,))
+    y = tl.math.div_rn(x, row_scale[:, None])
+    if IS_INT8:
+        y = tl.clamp(_rne(y), -QMAX, QMAX).to(tl.int8)
+    else:  # already on the e4m3 grid: the cast has nothing left to round
+        y = round_fp8_grid(tl.clamp(y, -448.0, 448.0)).to(tl.float8e4nv)
+    return y, scale
+
+
+@triton.jit
+def _sage_quant_kernel(
+    q_ptr, k_ptr, v_ptr, qo_ptr, ko_ptr, vt_ptr,
+    q_scale_ptr, k_scale_ptr, v_scale_ptr, k_mean_ptr,
+    cu_q_ptr, cu_kv_ptr,
+    n_q_blocks, n_k_blocks, n_q_tiles, vt_stride,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
+    Q_BS: tl.constexpr, K_BS: tl.constexpr, QMAX: tl.constexpr, IS_INT8: tl.constexpr,
+    SMOOTH_K: tl.constexpr, NATIVE: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    seq = tl.program_id(1)
+    head = tl.program_id(2)
+    dims = tl.arange(0, D)
+    rows = tl.arange(0, BLOCK_T)
+    if tile < n_q_tiles:  # a Q tile of this sequence
+        start = tl.load(cu_q_ptr + seq)
+        length = tl.load(cu_q_ptr + seq + 1) - start
+        local = tile * BLOCK_T
+        if local < length:
+            ok = (local + rows) < length
+            tok = (start + local + rows).to(tl.int64)
+            x = tl.load(q_ptr + tok[:, None] * stride_qt + head * stride_qh + dims[None, :], mask=ok[:, None], other=0.0)
+            y, scale = _quantize_tile(x.to(tl.float32), QMAX, Q_BS, BLOCK_T, IS_INT8, NATIVE)
+            tl.store(qo_ptr + tok[:, None] * (H * D) + head * D + dims[None, :], y, mask=ok[:, None])
+            blk = tl.arange(0, BLOCK_T // Q_BS)
+            first = start // Q_BS + seq + local // Q_BS
+            tl.store(q_scale_ptr + head * n_q_blocks + first + blk, scale, mask=(local + blk * Q_BS) < length)
+    elif head < HKV:  # a K tile and a V tile of this sequence
+        start = tl.load(cu_kv_ptr + seq)
+        length = tl.load(cu_kv_ptr + seq + 1) - start
+        local = (tile - n_q_tiles) * BLOCK_T
+        if local < length:
+            ok = (local + rows) < length
+            tok = (start + local + rows).to(tl.int64)
+            x = tl.load(k_ptr + tok[:, None] * stride_kt + head * stride_kh + dims[None, :], mask=ok[:, None], other=0.0)
+            x = x.to(tl.float32)
+            if SMOOTH_K:
+                x = tl.where(ok[:, None], x - tl.load(k_mean_ptr + head * D + dims)[None, :], 0.0)
+            y, scale = _quantize_tile(x, QMAX, K_BS, BLOCK_T, IS_INT8, NATIVE)
+            tl.store(ko_ptr + tok[:, None] * (HKV * D) + head * D + dims[None, :], y, mask=ok[:, None])
+            blk = tl.arange(0, BLOCK_T // K_BS)
+            first = start // K_BS + seq + local // K_BS
+            tl.store(k_scale_ptr + head * n_k_blocks + first + blk, scale, mask=(local + blk * K_BS) < length)
+            v = tl.load(v_ptr + tok[:, None] * stride_vt + head * stride_vh + dims[None, :], mask=ok[:, None], other=0.0)
+            v = tl.math.div_rn(v.to(tl.float32), tl.load(v_scale_ptr + head * D + dims)[None, :])
+            v = round_fp8_grid(tl.clamp(v, -448.0, 448.0))
+            vq = tl.trans(v.to(tl.float8e4nv) if NATIVE else v.to(tl.float16))  # [D, BLOCK_T]: tokens contiguous
+            v_rows = vt_ptr + (head * D + dims)[:, None].to(tl.int64) * vt_stride
+            first = vt_start(seq, start)
+            tl.store(v_rows + (first + local + rows)[None, :], vq, mask=ok[None, :])
+            if local + BLOCK_T >= length:  # last tile: zero the gap up to the next sequence's start
+                gap = vt_start(seq + 1, start + length) - first - length
+                tl.store(v_rows + (first + length + rows)[None, :], tl.zeros_like(vq), mask=(rows < gap)[None, :])
+
+
+def sage_quantize_triton(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PackedLayout, quant: QuantConfig
+) -> TritonSage:
+    """Quantize packed ``[tokens, heads, dim]`` Q, K, V for the ``triton`` route."""
+    tokens_kv, kv_heads, dim = k.shape
+    heads = q.shape[1]
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.stride(-1) != 1:
+            raise ValueError(f"SAGE quantization needs a unit stride on the head dim of {name}; got {tuple(x.stride())}.")
+    native = fp8_native(q.device)
+    qk_dtype = quant.qk_dtype
+    if qk_dtype == torch.float8_e4m3fn and q.device.type == "cuda" and not native:
+        raise ValueError("quant.dtype_qk='fp8_e4m3' needs an SM89+ GPU; use dtype_qk='int8'.")
+    n_q_blocks = scale_slots(layout.q_lens, quant.q_block_size)
+    n_k_blocks = scale_slots(layout.kv_lens, quant.k_block_size)
+    vmin, vmax = torch.aminmax(v, dim=0)
+    v_scale = torch.maximum(-vmin.float(), vmax.float()).clamp_min(AMAX_FLOOR) / FP8_MAX  # [kv_heads, dim]
+    k_mean = k.mean(dim=0, dtype=torch.float32) if quant.smooth_k else v_scale  # (unused without smooth_k)
+    padded = vt_start.fn(layout.num_seqs, tokens_kv)
+    out = TritonSage(
+        q=torch.empty(q.shape, dtype=qk_dtype, device=q.device),
+        k=torch.empty(k.shape, dtype=qk_dtype, device=q.device),
+        vt=torch.empty(kv_heads * dim, padded, dtype=torch.float8_e4m3fn if native else torch.float16, device=q.device),
+        q_scale=torch.empty(heads, n_q_blocks, dtype=torch.float32, device=q.device),
+        k_scale=torch.empty(kv_heads, n_k_blocks, dtype=torch.float32, device=q.device),
+        v_scale=v_scale,
+    )
+    n_q_tiles = triton.cdiv(layout.max_seqlen_q, QUANT_BLOCK_T)
+    n_kv_tiles = triton.cdiv(layout.max_seqlen_kv, QUANT_BLOCK_T)
+    grid = (n_q_tiles + n_kv_tiles, layout.num_seqs, heads)
+    _sage_quant_kernel[grid](
+        q, k, v, out.q, out.k, out.vt,
+        out.q_scale, out.k_scale, v_scale, k_mean,
+        layout.cu_seqlens_q, layout.cu_seqlens_kv,
+        n_q_blocks, n_k_blocks, n_q_tiles, padded,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        H=heads, HKV=kv_heads, D=dim, BLOCK_T=QUANT_BLOCK_T,
+        Q_BS=quant.q_block_size, K_BS=quant.k_block_size, QMAX=quant.qk_max,
+        IS_INT8=qk_dtype == torch.int8, SMOOTH_K=quant.smooth_k, NATIVE=native,
+        num_warps=4,
+    )
+    return out

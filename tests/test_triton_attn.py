@@ -1,0 +1,185 @@
+"""The ``triton`` route on the CPU: its kernels under Triton's interpreter against the reference.
+
+``TRITON_INTERPRET=1`` must be set before triton is imported, so the kernel checks
+run in one child process (this file run as a script) and report per case; the
+parent pytest process stays untouched. Tiny ragged shapes with 32 x 32 tiles so
+the skip rule, the masked last tiles and the per-sequence scale blocks all get
+exercised. fp16/fp32 inputs (bf16 dots are wrong under the interpreter); fp8
+runs through the kernels' non-native path (e4m3 rounding done in fp32), as on SM80.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+LENS_Q = (37, 70)
+LENS_KV = (45, 100)
+TILE = 32
+
+
+def _layout(lq, lkv):
+    from diffusers_trtllm.layout import PackedLayout
+
+    def cu(lens):
+        return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+
+    return PackedLayout.from_cu_seqlens(cu(lq), cu(lkv), max(lq), max(lkv), q_tokens=sum(lq), kv_tokens=sum(lkv))
+
+
+def _structured(lens, heads, dim, gen, locality=3.0):
+    """Gaussian plus shared positional features: nearby tokens score higher, so tiles get skipped."""
+    pos = torch.cat([torch.arange(n) for n in lens]).float()
+    freqs = torch.exp(-torch.arange(dim // 2) / (dim // 2) * math.log(1000.0)) * 0.5
+    pe = torch.cat([(pos[:, None] * freqs).cos(), (pos[:, None] * freqs).sin()], -1)
+    return torch.randn(len(pos), heads, dim, generator=gen) + locality * pe[:, None]
+
+
+# ---- checks run in the interpreter child --------------------------------------------------------
+
+def _check_quantize(dtype_qk, q_block, k_block, smooth_k):
+    from diffusers_trtllm.config import QuantConfig
+    from diffusers_trtllm.kernels.reference import block_ids, sage_quantize
+    from diffusers_trtllm.kernels.triton_quant import sage_quantize_triton
+
+    gen = torch.Generator().manual_seed(1)
+    layout = _layout(LENS_Q, LENS_KV)
+    q = torch.randn(sum(LENS_Q), 4, 64, generator=gen).half()
+    k = (torch.randn(sum(LENS_KV), 2, 64, generator=gen) * 3 + 1).half()
+    v = torch.randn(sum(LENS_KV), 2, 64, generator=gen).half()
+    quant = QuantConfig(dtype_qk, q_block, k_block, smooth_k)
+    got = sage_quantize_triton(q, k, v, layout, quant)
+    ref = sage_quantize(q, k, v, layout.cu_seqlens_q, layout.cu_seqlens_kv, layout.q_lens, layout.kv_lens, quant)
+    q_used = block_ids(layout.cu_seqlens_q, layout.q_lens, q_block)[0].unique()
+    k_used = block_ids(layout.cu_seqlens_kv, layout.kv_lens, k_block)[0].unique()
+    assert torch.equal(got.q_scale[:, q_used], ref.q_scale[:, q_used])
+    assert torch.equal(got.k_scale[:, k_used], ref.k_scale[:, k_used])
+    assert torch.equal(got.v_scale, ref.v_scale)
+    for name, a, b in (("q", got.q, ref.q), ("k", got.k, ref.k), ("v", got.v(layout), ref.v)):
+        assert torch.equal(a.float(), b.float()), f"{name}: {(a.float() != b.float()).sum()} values differ"
+    # Columns between sequences of the transposed V are zeros (read by the masked last KV tile).
+    used = torch.zeros(got.vt.shape[1], dtype=torch.bool)
+    from diffusers_trtllm.kernels.triton_quant import vt_start
+
+    starts = [vt_start.fn(b, s) for b, s in enumerate(layout.cu_seqlens_kv.tolist())]
+    for start, n in zip(starts, LENS_KV):
+        used[start : start + n] = True
+    assert torch.all(got.vt[:, ~used].float() == 0)
+
+
+def _check_attention(dtype, dim, kv_heads, dtype_qk, skip):
+    from diffusers_trtllm.config import QuantConfig
+    from diffusers_trtllm.kernels.reference import reference_attention
+    from diffusers_trtllm.kernels.triton_attn import KernelConfig, triton_attention
+
+    gen = torch.Generator().manual_seed(0)
+    layout = _layout(LENS_Q, LENS_KV)
+    q = _structured(LENS_Q, 4, dim, gen).to(dtype)
+    k = _structured(LENS_KV, kv_heads, dim, gen).to(dtype)
+    v = torch.randn(sum(LENS_KV), kv_heads, dim, generator=gen).to(dtype)
+    quant = QuantConfig(dtype_qk, 4, 16) if dtype_qk else None
+    factor = None if skip is None else skip * max(LENS_KV)
+    kw = dict(softmax_scale=dim**-0.5, skip_factor=factor, quant=quant)
+    res = triton_attention(q, k, v, layout, collect_stats=True, config=KernelConfig(TILE, TILE, 4, 1), **kw)
+    ref = reference_attention(
+        q, k, v, layout.cu_seqlens_q, layout.cu_seqlens_kv, layout.q_lens, layout.kv_lens,
+        tile_q=TILE, tile_kv=TILE, **kw,
+    )
+    assert res.total_tiles == ref.total_tiles
+    assert res.skipped_tiles == ref.skipped_tiles, (res.skipped_tiles, ref.skipped_tiles)
+    if skip is not None:
+        assert ref.skipped_tiles > 0, "inputs must exercise the skip rule"
+    # SAGE: a P value on an fp8 rounding boundary may round the other way (exp2 here, exp there).
+    err = (res.out.float() - ref.out.float()).abs()
+    rel = (err.sum() / ref.out.float().abs().sum()).item()
+    max_tol, rel_tol = (1e-4, 1e-5) if dtype == torch.float32 else (4e-3, 1e-3) if quant is None else (0.03, 3e-3)
+    assert err.max() < max_tol and rel < rel_tol, f"max abs error {err.max():.3g}, rel-L1 {rel:.3g}"
+
+
+CASES = {
+    **{
+        f"quantize-{d}-{qb}-{kb}-{'smooth' if sm else 'plain'}": (_check_quantize, (d, qb, kb, sm))
+        for d in ("int8", "fp8_e4m3")
+        for qb, kb, sm in ((1, 16, False), (4, 4, True), (16, 1, False))
+    },
+    "dense-fp32-d64-gqa": (_check_attention, (torch.float32, 64, 2, None, None)),
+    "dense-fp16-d128": (_check_attention, (torch.float16, 128, 4, None, None)),
+    "dense-fp16-d64-skip": (_check_attention, (torch.float16, 64, 4, None, 0.05)),
+    "sage-int8-d64": (_check_attention, (torch.float16, 64, 2, "int8", None)),
+    "sage-int8-d128-skip": (_check_attention, (torch.float16, 128, 4, "int8", 0.05)),
+    "sage-fp8-d64-skip": (_check_attention, (torch.float16, 64, 4, "fp8_e4m3", 0.05)),
+    "sage-fp8-d128": (_check_attention, (torch.float16, 128, 2, "fp8_e4m3", None)),
+}
+
+
+def _run_all() -> dict[str, str | None]:
+    import traceback
+
+    results = {}
+    for name, (fn, args) in CASES.items():
+        try:
+            fn(*args)
+            results[name] = None
+        except Exception:  # noqa: BLE001 - reported to the parent
+            results[name] = traceback.format_exc(limit=3)
+    return results
+
+
+# ---- the pytest side ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def interpreted():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert proc.returncode == 0 and lines, f"interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return json.loads(lines[-1])
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_kernel_under_interpreter(interpreted, case):
+    assert interpreted[case] is None, interpreted[case]
+
+
+def test_route_capabilities_and_reasons(monkeypatch):
+    from diffusers_trtllm.config import QuantConfig
+    from diffusers_trtllm.kernels import triton_attn
+    from diffusers_trtllm.routes import AttentionCall, ROUTE_MODULES, get_route
+
+    assert ROUTE_MODULES.index("triton_attn") < ROUTE_MODULES.index("sdpa")
+    assert ROUTE_MODULES.index("triton_attn") > max(ROUTE_MODULES.index(m) for m in ("trtllm_gen", "fa3", "fmha_v2"))
+    route = get_route("triton")
+    q = torch.zeros(64, 2, 128, dtype=torch.bfloat16)
+    call = AttentionCall(q, q, q, _layout((64,), (64,)), softmax_scale=0.1, quant=QuantConfig("fp8_e4m3"))
+    assert any("cuda" in r for r in route.not_supported_reasons(call))  # a CPU tensor
+    assert route.caps.min_sm == 80 and route.caps.skip_softmax and route.caps.head_dims == {64, 128}
+    monkeypatch.setattr(triton_attn, "device_sm", lambda device: 86)
+    assert any("SM >= 89" in r for r in route.extra_reasons(call))
+    int8 = AttentionCall(q, q, q, call.layout, softmax_scale=0.1, quant=QuantConfig("int8"))
+    assert route.extra_reasons(int8) == []
+    monkeypatch.setattr(triton_attn, "_TRITON_MISSING", "needs the triton package")
+    assert route.extra_reasons(int8) == ["needs the triton package"]
+
+
+def test_rejects_unsupported_head_dim():
+    pytest.importorskip("triton")
+    from diffusers_trtllm.kernels.triton_attn import triton_attention
+
+    q = torch.zeros(8, 1, 96, dtype=torch.float16)
+    with pytest.raises(ValueError, match="head dim 64 or 128"):
+        triton_attention(q, q, q, _layout((8,), (8,)), softmax_scale=0.1)
+
+
+if __name__ == "__main__":
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit("run with TRITON_INTERPRET=1 (pytest does this for you)")
+    print(json.dumps(_run_all()))

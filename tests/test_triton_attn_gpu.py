@@ -1,0 +1,126 @@
+"""The ``triton`` route on a real GPU: ragged batches at real sizes, dense, int8 and fp8 SAGE, with and
+without skip-softmax, against the reference (same quantized values, same skipped tiles)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from conftest import rel_l1, requires_cuda
+from diffusers_trtllm.config import QuantConfig
+from diffusers_trtllm.kernels.reference import block_ids, reference_attention, sage_quantize
+
+pytestmark = [pytest.mark.gpu, requires_cuda]
+
+LENS_Q = (1000, 2500, 333)
+LENS_KV = (1200, 2500, 700)
+
+
+def _layout(lq, lkv):
+    from diffusers_trtllm.layout import PackedLayout
+
+    def cu(lens):
+        return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+
+    return PackedLayout.from_cu_seqlens(cu(lq), cu(lkv), max(lq), max(lkv), q_tokens=sum(lq), kv_tokens=sum(lkv))
+
+
+def _structured(lens, heads, dim, seed, locality=4.0):
+    """Gaussian plus shared 1-D positional features: nearby tokens score higher, so tiles get skipped."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    pos = torch.cat([torch.arange(n, device="cuda") for n in lens]).float()
+    freqs = torch.exp(-torch.arange(dim // 2, device="cuda") / (dim // 2) * math.log(2000.0)) * 0.3
+    pe = torch.cat([(pos[:, None] * freqs).cos(), (pos[:, None] * freqs).sin()], -1)
+    x = torch.randn(len(pos), heads, dim, device="cuda", generator=gen) + locality * pe[:, None]
+    return x.to(torch.bfloat16)
+
+
+def _inputs(dim, heads=8, kv_heads=8):
+    q = _structured(LENS_Q, heads, dim, 0)
+    k = _structured(LENS_KV, kv_heads, dim, 1)
+    v = torch.randn(sum(LENS_KV), kv_heads, dim, device="cuda", dtype=torch.bfloat16)
+    return q, k, v, _layout(LENS_Q, LENS_KV)
+
+
+def _reference(q, k, v, layout, **kw):
+    return reference_attention(
+        q, k, v, layout.cu_seqlens_q, layout.cu_seqlens_kv, layout.q_lens, layout.kv_lens, softmax_scale=q.shape[-1] ** -0.5, **kw
+    )
+
+
+@pytest.mark.parametrize("dim,kv_heads", [(64, 8), (128, 2)])
+def test_dense_matches_reference(dim, kv_heads):
+    from diffusers_trtllm.kernels.triton_attn import triton_attention
+
+    q, k, v, layout = _inputs(dim, kv_heads=kv_heads)
+    out = triton_attention(q, k, v, layout, softmax_scale=dim**-0.5).out
+    assert rel_l1(out, _reference(q, k, v, layout).out) < 1e-2
+
+
+@pytest.mark.parametrize("dtype_qk", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("blocks", [(1, 16, False), (4, 4, True), (16, 1, False)])
+def test_sage_quantization_matches_reference(dtype_qk, blocks):
+    from diffusers_trtllm.kernels.triton_quant import sage_quantize_triton
+
+    q, k, v, layout = _inputs(128)
+    quant = QuantConfig(dtype_qk, *blocks)
+    got = sage_quantize_triton(q, k, v, layout, quant)
+    ref = sage_quantize(q, k, v, layout.cu_seqlens_q, layout.cu_seqlens_kv, layout.q_lens, layout.kv_lens, quant)
+    q_used = block_ids(layout.cu_seqlens_q, layout.q_lens, quant.q_block_size)[0].unique()
+    k_used = block_ids(layout.cu_seqlens_kv, layout.kv_lens, quant.k_block_size)[0].unique()
+    torch.testing.assert_close(got.q_scale[:, q_used], ref.q_scale[:, q_used], rtol=1e-6, atol=0)
+    torch.testing.assert_close(got.k_scale[:, k_used], ref.k_scale[:, k_used], rtol=1e-5, atol=1e-9)
+    torch.testing.assert_close(got.v_scale, ref.v_scale, rtol=0, atol=0)
+    assert torch.equal(got.v(layout).float(), ref.v.float())
+    # On CUDA torch divides by a scalar as a multiply by its reciprocal, so the reference's Q/K scales can
+    # sit one ulp from the kernel's IEEE quotient (and smooth_k's mean is summed in another order): values
+    # on a rounding boundary may then land one step apart. Allow that on a small fraction.
+    for name, a, b in (("q", got.q, ref.q), ("k", got.k, ref.k)):
+        differ = a.float() != b.float()
+        assert differ.float().mean() < 2e-3, f"{name}: {int(differ.sum())} of {differ.numel()} values differ"
+        gap = (a.float() - b.float()).abs()[differ]
+        if dtype_qk == "int8":
+            assert gap.numel() == 0 or gap.max() <= 1, f"{name}: a value moved by more than one step"
+        else:  # one e4m3 step is at most 1/8 of the larger neighbour (normal range)
+            rel = gap / torch.maximum(a.float().abs(), b.float().abs())[differ]
+            assert rel.numel() == 0 or rel.max() <= 0.126, f"{name}: a value moved by more than one step"
+
+
+@pytest.mark.parametrize("dtype_qk", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("skip", [None, 0.02])
+@pytest.mark.parametrize("dim", [64, 128])
+def test_sage_attention_matches_reference(dtype_qk, skip, dim):
+    from diffusers_trtllm.kernels.triton_attn import KernelConfig, triton_attention
+
+    q, k, v, layout = _inputs(dim, kv_heads=4)
+    quant = QuantConfig(dtype_qk, 1, 16)
+    factor = None if skip is None else skip * layout.max_seqlen_kv
+    cfg = KernelConfig(block_m=128, block_n=128)
+    res = triton_attention(q, k, v, layout, softmax_scale=dim**-0.5, skip_factor=factor, quant=quant,
+                           collect_stats=True, config=cfg)
+    ref = _reference(q, k, v, layout, skip_factor=factor, quant=quant, tile_q=128, tile_kv=128)
+    assert res.total_tiles == ref.total_tiles
+    if skip is None:
+        assert res.skipped_tiles == 0
+    else:
+        assert ref.skipped_tiles > 0.1 * ref.total_tiles  # the inputs do exercise the rule
+        # Borderline tiles may flip (exp2 vs exp, fp32 rounding): allow a handful.
+        assert abs(res.skipped_tiles - ref.skipped_tiles) <= max(2, ref.total_tiles // 500)
+    assert rel_l1(res.out, ref.out) < 1.5e-2
+    dense = _reference(q, k, v, layout).out
+    assert rel_l1(res.out, dense) < (0.06 if dtype_qk == "int8" else 0.15)  # fp8 QK is coarser on sharp scores
+
+
+def test_route_is_auto_for_sage_on_this_gpu():
+    from diffusers_trtllm.config import QuantConfig as QC
+    from diffusers_trtllm.routes import AttentionCall, device_sm, select_route
+
+    q, k, v, layout = _inputs(128)
+    call = AttentionCall(q, k, v, layout, softmax_scale=128**-0.5, quant=QC("int8"))
+    route = select_route(call)
+    if device_sm(q.device) < 100:
+        assert route.name == "triton"
+    res = route.run(call)
+    assert res.out.shape == q.shape and torch.isfinite(res.out.float()).all()
