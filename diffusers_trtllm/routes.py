@@ -236,4 +236,4 @@ def _load_builtin_routes() -> None:
 
 
 #: Route modules in default priority order (fastest specialised kernels first).
-ROUTE_MODULES = ("trtllm_gen", "sdpa", "reference")
+ROUTE_MODULES = ("trtllm_gen", "fa3", "fmha_v2", "triton_attn", "sdpa", "reference")

@@ -36,6 +36,8 @@ __all__ = [
 DEFAULT_WORKSPACE_BYTES = 128 * 1024 * 1024
 
 _workspaces: dict[torch.device, torch.Tensor] = {}
+#: Modules seen compiled (checked on every call's route selection, so remembered).
+_built: set[str] = set()
 
 
 @functools.lru_cache(maxsize=None)
@@ -82,16 +84,18 @@ def nvcc_path() -> str | None:
 
 def jit_built(uri: str) -> bool:
     """Whether FlashInfer already holds a compiled module ``uri`` (JIT cache or AOT package)."""
-    fi = flashinfer_or_none()
-    if fi is None:
+    if uri in _built:
+        return True
+    if flashinfer_or_none() is None:
         return False
     try:
         env = importlib.import_module("flashinfer.jit.env")
-        if (env.FLASHINFER_JIT_DIR / uri / f"{uri}.so").exists():
-            return True
-        return bool(env.get_aot_artifacts(uri))
+        found = (env.FLASHINFER_JIT_DIR / uri / f"{uri}.so").exists() or bool(env.get_aot_artifacts(uri))
     except Exception:  # internals moved: assume a build may be needed
         return False
+    if found:
+        _built.add(uri)
+    return found
 
 
 def jit_missing_reason(uri: str) -> str | None:

@@ -1,0 +1,152 @@
+"""Benchmark reports: JSON (everything), Markdown (tables), PNG (skip speed-up against the ideal)."""
+
+from __future__ import annotations
+
+import json
+import platform
+import shlex
+import subprocess
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .suite import Settings, ShapeResult
+
+__all__ = ["environment", "write_json", "write_markdown", "write_plot"]
+
+
+def _version(module: str) -> str | None:
+    try:
+        return __import__(module).__version__
+    except Exception:
+        return None
+
+
+def environment(device: str) -> dict[str, Any]:
+    """GPU name, driver and library versions, and the command line that produced the results."""
+    env: dict[str, Any] = {
+        "command": " ".join(shlex.quote(a) for a in [Path(sys.executable).name, "-m", "diffusers_trtllm.bench", *sys.argv[1:]]),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+        "flashinfer": _version("flashinfer"),
+        "triton": _version("triton"),
+        "sageattention": _version("sageattention"),
+        "diffusers_trtllm": _version("diffusers_trtllm"),
+    }
+    if torch.device(device).type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+        env["sm"] = "".join(map(str, torch.cuda.get_device_capability(device)))
+        try:
+            env["driver"] = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True, text=True, timeout=10,
+            ).stdout.strip().splitlines()[0]
+        except Exception:
+            env["driver"] = None
+    else:
+        env["gpu"] = None
+        env["cpu"] = platform.processor() or platform.machine()
+    return env
+
+
+def write_json(path: Path, env: dict[str, Any], settings: Settings, results: list[ShapeResult]) -> None:
+    data = {"environment": env, "settings": asdict(settings), "shapes": [asdict(r) for r in results]}
+    path.write_text(json.dumps(data, indent=1, default=str))
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "" if x is None else format(x, spec)
+
+
+def write_markdown(path: Path, env: dict[str, Any], settings: Settings, results: list[ShapeResult]) -> None:
+    lines = [
+        "# Attention benchmark",
+        "",
+        f"GPU: {env.get('gpu') or 'none (CPU)'}, driver {env.get('driver')}, torch {env['torch']}, "
+        f"FlashInfer {env['flashinfer']}, Triton {env['triton']}, SageAttention {env['sageattention']}.",
+        f"Command: `{env['command']}`",
+        "",
+        f"Inputs: structured generator, locality {settings.locality}, seed {settings.seed}, {settings.dtype}. "
+        "Time: median of CUDA-event timings after warm-up. TFLOP/s from 4·B·H·Sq·Skv·D. "
+        "`vs cuDNN`: cuDNN SDPA time / this time (same run, same inputs). rel-L1 and cosine against fp32 dense "
+        f"attention on a subsample of {settings.ref_heads} heads (all queries). `skipped (ref)`: the skipped-tile "
+        "fraction the reference finds on the same inputs and heads at that threshold, with the kernel's tiles; "
+        "`ideal` = 1/(1 - skipped/2); `ref rel-L1`: the reference's own error with that skipping / SAGE emulation.",
+        "",
+    ]
+    for res in results:
+        shp = res.shape
+        lines += [
+            f"## {shp['name']} (B={shp['batch']}, S={shp['tokens']}, H={shp['heads']}, D={shp['head_dim']})",
+            "",
+            f"Reference heads {res.ref_heads}, tiles {res.ref_tile[0]}x{res.ref_tile[1]}; skipped fraction by "
+            "threshold: " + ", ".join(f"{k}: {v:.1%}" for k, v in res.skip_curve.items()),
+            "",
+            "| impl | config | ms | TFLOP/s | vs cuDNN | rel-L1 | cosine | skipped (ref) | ideal | ref rel-L1 | note |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        ]
+        for r in res.rows:
+            lines.append(
+                f"| {r.impl} | {r.config} | {_fmt(r.ms, '.3f')} | {_fmt(r.tflops, '.0f')} | "
+                f"{_fmt(r.vs_baseline, '.2f')} | {_fmt(r.rel_l1, '.4f')} | {_fmt(r.cosine, '.5f')} | "
+                f"{_fmt(r.skipped_ref, '.1%')} | {_fmt(r.ideal_speedup, '.2f')} | {_fmt(r.ref_rel_l1, '.4f')} | "
+                f"{(r.error or '').replace('|', '/')[:120]} |"
+            )
+        if res.not_run:
+            lines += ["", "Not run:", ""]
+            lines += [f"- {name}: {why.replace(chr(10), ' ')[:300]}" for name, why in res.not_run.items()]
+        lines.append("")
+    path.write_text("\n".join(lines))
+
+
+def write_plot(path: Path, results: list[ShapeResult]) -> bool:
+    """Speed-up over cuDNN against the reference's skipped fraction, with the ideal 1/(1 - s/2).
+
+    Returns False (and writes nothing) when matplotlib is missing or no skip row was timed.
+    """
+    points = [
+        (res.shape["name"], r.impl, r.skipped_ref, r.vs_baseline)
+        for res in results
+        for r in res.rows
+        if r.skipped_ref is not None and r.vs_baseline is not None
+    ]
+    if not points:
+        return False
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    s = [i / 100 for i in range(0, 101)]
+    ax.plot(s, [1 / (1 - x / 2) for x in s], "k--", label="ideal 1/(1 - s/2)")
+    series: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    for shape, impl, skipped, speed in points:
+        series.setdefault((shape, impl), []).append((skipped, speed))
+    for (shape, impl), pts in sorted(series.items()):
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"{shape} {impl}", markersize=4)
+    dense = [
+        (res.shape["name"], r.vs_baseline)
+        for res in results
+        for r in res.rows
+        if r.config == "dense" and r.impl == "fmha-v2" and r.vs_baseline
+    ]
+    for _, speed in dense:
+        ax.plot([0.0], [speed], "kx")
+    ax.set_xlabel("skipped tiles (reference, same inputs)")
+    ax.set_ylabel("speed-up over cuDNN SDPA dense")
+    ax.set_title("Skip-softmax speed-up (x: fmha-v2 dense)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True

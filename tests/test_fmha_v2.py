@@ -1,0 +1,138 @@
+"""CPU tests of the Hopper routes (``fmha-v2``, ``fa3``): their reasons and their place under ``auto``."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from diffusers_trtllm.kernels import _dense_order, _flashinfer, fa3, fmha_v2
+from diffusers_trtllm.layout import PackedLayout
+from diffusers_trtllm.routes import AttentionCall, get_route, route_names, select_route
+
+
+def _call(dim: int = 128, tokens: int = 256, skip: float | None = None, dtype=torch.bfloat16) -> AttentionCall:
+    x = torch.zeros(tokens, 2, dim, dtype=dtype)
+    return AttentionCall(x, x, x, PackedLayout.dense(1, tokens, tokens, "cpu"), 0.1, skip_factor=skip)
+
+
+@pytest.fixture
+def fake_flashinfer(monkeypatch):
+    """FlashInfer importable, kernels not built yet; tests set nvcc and the SM."""
+    monkeypatch.setattr(_flashinfer, "_import", lambda: (types.SimpleNamespace(), None))
+    monkeypatch.setattr(_flashinfer, "jit_built", lambda uri: False)
+    monkeypatch.setattr(fa3, "module_uri", lambda call: "fa3_module")
+    return monkeypatch
+
+
+def test_routes_are_registered_in_order():
+    names = route_names()
+    assert names.index("fa3") < names.index("fmha-v2") < names.index("sdpa")
+
+
+@pytest.mark.parametrize("name", ["fmha-v2", "fa3"])
+def test_cpu_tensors_and_wrong_head_dim_are_reasons(name):
+    reasons = get_route(name).not_supported_reasons(_call(dim=96))
+    assert any("not cpu" in r for r in reasons)
+    assert any("head dim 96" in r for r in reasons)
+
+
+def test_fa3_has_no_skip_softmax():
+    assert "no skip-softmax" in get_route("fa3").not_supported_reasons(_call(skip=10.0))
+
+
+@pytest.mark.parametrize("name", ["fmha-v2", "fa3"])
+def test_missing_flashinfer_is_the_reason(monkeypatch, name):
+    monkeypatch.setattr(_flashinfer, "_import", lambda: (None, "ModuleNotFoundError: No module named 'flashinfer'"))
+    reasons = get_route(name).extra_reasons(_call())
+    assert len(reasons) == 1 and "flashinfer is not installed" in reasons[0]
+    assert "pip install" in reasons[0]
+
+
+@pytest.mark.parametrize("name", ["fmha-v2", "fa3"])
+def test_missing_nvcc_is_the_reason_until_built(fake_flashinfer, name):
+    fake_flashinfer.setattr(_flashinfer, "nvcc_path", lambda: None)
+    fake_flashinfer.setattr(fmha_v2, "device_sm", lambda device: 90)
+    reasons = get_route(name).extra_reasons(_call())
+    assert len(reasons) == 1 and "no nvcc" in reasons[0] and "CUDA_HOME" in reasons[0]
+    fake_flashinfer.setattr(_flashinfer, "jit_built", lambda uri: True)  # a cached build needs no compiler
+    assert get_route(name).extra_reasons(_call()) == []
+
+
+def test_nvcc_from_cuda_home(tmp_path, monkeypatch):
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "nvcc").write_text("")
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path))
+    assert _flashinfer.nvcc_path() == str(tmp_path / "bin" / "nvcc")
+
+
+def test_fmha_v2_skip_only_on_sm90(fake_flashinfer):
+    fake_flashinfer.setattr(_flashinfer, "nvcc_path", lambda: "/usr/bin/nvcc")
+    route = get_route("fmha-v2")
+    fake_flashinfer.setattr(fmha_v2, "device_sm", lambda device: 120)
+    assert route.extra_reasons(_call()) == []  # dense on SM120 is fine
+    (reason,) = route.extra_reasons(_call(skip=10.0))
+    assert "SM90 only" in reason and "sm_120" in reason
+    fake_flashinfer.setattr(fmha_v2, "device_sm", lambda device: 90)
+    assert route.extra_reasons(_call(skip=10.0)) == []
+
+
+def test_fmha_v2_refuses_fewer_queries_than_keys(fake_flashinfer):
+    """FlashInfer 0.7.4's kernel got such sequences wrong on the H200 (rel-L1 0.2-0.3)."""
+    fake_flashinfer.setattr(_flashinfer, "nvcc_path", lambda: "/usr/bin/nvcc")
+    fake_flashinfer.setattr(fmha_v2, "device_sm", lambda device: 90)
+    cu = lambda lens: torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)  # noqa: E731
+    for q_lens, kv_lens, refused in (([100, 50], [100, 80], True), ([100, 80], [100, 50], False), ([64], [64], False)):
+        layout = PackedLayout.from_cu_seqlens(
+            cu(q_lens), cu(kv_lens), max(q_lens), max(kv_lens), q_tokens=sum(q_lens), kv_tokens=sum(kv_lens)
+        )
+        q = torch.zeros(sum(q_lens), 2, 128, dtype=torch.bfloat16)
+        kv = torch.zeros(sum(kv_lens), 2, 128, dtype=torch.bfloat16)
+        reasons = get_route("fmha-v2").extra_reasons(AttentionCall(q, kv, kv, layout, 0.1))
+        assert bool(reasons) == refused
+        if refused:
+            assert "fewer queries than keys" in reasons[0] and "[1]" in reasons[0]
+
+
+def test_fmha_v2_module_uri_matches_flashinfer_naming():
+    assert fmha_v2.module_uri(torch.bfloat16) == "trtllm_fmha_v2_separate_q_k_v_bf16_bf16"
+    assert fmha_v2.module_uri(torch.float16) == "trtllm_fmha_v2_separate_q_k_v_fp16_fp16"
+
+
+def test_dense_order_on_sm90_follows_the_measured_table(monkeypatch):
+    monkeypatch.setattr(_dense_order, "device_sm", lambda device: 90)
+    monkeypatch.setattr(fmha_v2, "device_sm", lambda device: 90)
+    for (dim, bucket), order in _dense_order.SM90_DENSE_ORDER.items():
+        tokens = 1024 if bucket == "short" else _dense_order.LONG_KV + 64
+        call = _call(dim=dim, tokens=tokens)
+        ranked = sorted(order, key=lambda name: get_route(name).priority(call))
+        assert tuple(ranked) == order
+        assert all(get_route(name).priority(call) < get_route("reference").priority(call) for name in order)
+    # Skip-softmax on SM90 goes to fmha-v2 ahead of every other route.
+    skip = _call(skip=10.0)
+    assert get_route("fmha-v2").priority(skip) < min(get_route(n).priority(skip) for n in route_names() if n != "fmha-v2")
+
+
+def test_dense_order_off_hopper_keeps_registration_order():
+    call = _call()  # CPU: no SM
+    assert [get_route(n).priority(call) for n in route_names()] == sorted(get_route(n).priority(call) for n in route_names())
+    assert select_route(call).name == "sdpa"
+
+
+def test_workspace_is_shared_and_zeroed():
+    a = _flashinfer.flashinfer_workspace("cpu", min_bytes=1024)
+    b = _flashinfer.flashinfer_workspace(torch.device("cpu"))
+    assert a is b and a.dtype == torch.uint8 and int(a.count_nonzero()) == 0
+    big = _flashinfer.flashinfer_workspace("cpu", min_bytes=a.numel() + 1)
+    assert big.numel() > a.numel() and _flashinfer.flashinfer_workspace("cpu") is big
+    _flashinfer._workspaces.clear()
+
+
+def test_announce_jit_warns_once(monkeypatch, caplog):
+    monkeypatch.setattr(_flashinfer, "jit_built", lambda uri: False)
+    with caplog.at_level("WARNING", logger="diffusers_trtllm"):
+        _flashinfer.announce_jit("some_module_for_test")
+        _flashinfer.announce_jit("some_module_for_test")
+    messages = [r.getMessage() for r in caplog.records if "some_module_for_test" in r.getMessage()]
+    assert len(messages) == 1 and "about 80 s, once" in messages[0]

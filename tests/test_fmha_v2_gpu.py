@@ -1,0 +1,148 @@
+"""GPU tests of the Hopper routes against the reference, on ragged batches packed by the layout module.
+
+``fmha-v2`` dense and skip-softmax, ``fa3`` dense. Inputs come from the
+benchmark's structured generator, so skip-softmax has tiles to skip. The
+reference runs with fmha-v2's tiles (64 query rows x its KV step).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import cosine, rel_l1, requires_cuda
+from diffusers_trtllm import PackedLayout, SkipSoftmaxConfig, run_attention
+from diffusers_trtllm.bench.inputs import Shape, structured_qkv
+from diffusers_trtllm.kernels.fmha_v2 import Q_STEP, kv_step
+from diffusers_trtllm.kernels.reference import reference_attention
+from diffusers_trtllm.routes import AttentionCall, device_sm, get_route
+
+pytestmark = [pytest.mark.gpu, requires_cuda]
+
+HEADS, DIM, SEQ = 4, 128, 1536
+#: Valid key counts per batch row (padding in the middle of each row, as Qwen-Image has).
+KV_VALID = (1536, 1000, 700)
+
+
+def _hopper_route(name: str) -> None:
+    if device_sm(torch.device("cuda")) != 90:
+        pytest.skip("needs an SM90 GPU (H100/H200)")
+    x = torch.zeros(8, 1, DIM, device="cuda", dtype=torch.bfloat16)
+    reasons = get_route(name).not_supported_reasons(AttentionCall(x, x, x, PackedLayout.dense(1, 8, 8, "cuda"), 0.1))
+    if reasons:
+        pytest.skip(f"{name} cannot run here: {reasons}")
+
+
+def _ragged_inputs(locality: float = 0.5, dim: int = DIM, drop_queries: bool = False):
+    """Three rows with a hole of padded keys in the middle; all queries kept unless ``drop_queries``.
+
+    fmha-v2 refuses sequences with fewer queries than keys (FlashInfer 0.7.4 gets them
+    wrong), so its tests keep every query: ``q_len >= kv_len``, as in a transformer's
+    self-attention under a key-padding mask.
+    """
+    q, k, v = structured_qkv(Shape("t", len(KV_VALID), SEQ, HEADS, dim, (32, 48)), locality, seed=1, device="cuda")
+    kv_mask = torch.zeros(len(KV_VALID), SEQ, dtype=torch.bool, device="cuda")
+    for b, n in enumerate(KV_VALID):  # drop a block in the middle of the row
+        hole = SEQ - n
+        kv_mask[b, : SEQ // 3] = True
+        kv_mask[b, SEQ // 3 + hole :] = True
+    q_mask = None
+    if drop_queries:
+        q_mask = kv_mask.clone()
+        q_mask[0, -100:] = False  # one row drops some more queries: fewer queries than keys there
+    layout = PackedLayout.from_masks(len(KV_VALID), SEQ, SEQ, kv_mask=kv_mask, q_mask=q_mask)
+    return q, k, v, layout
+
+
+def _reference(q, k, v, layout, lam: float | None):
+    tile_kv = kv_step(q.shape[-1])
+    res = reference_attention(
+        layout.pack_q(q).float(),
+        layout.pack_kv(k).float(),
+        layout.pack_kv(v).float(),
+        layout.cu_seqlens_q,
+        layout.cu_seqlens_kv,
+        layout.q_lens,
+        layout.kv_lens,
+        softmax_scale=q.shape[-1] ** -0.5,
+        skip_factor=None if lam is None else lam * layout.max_seqlen_kv,
+        tile_q=Q_STEP,
+        tile_kv=tile_kv,
+    )
+    return layout.unpack_q(res.out), res.skipped_fraction
+
+
+def _run(q, k, v, layout, backend: str, lam: float | None = None):
+    skip = None if lam is None else SkipSoftmaxConfig(threshold=lam)
+    out, result = run_attention(q, k, v, layout=layout, skip=skip, backend=backend)
+    assert result.route == backend
+    return out.float()
+
+
+def _valid(x: torch.Tensor, layout: PackedLayout) -> torch.Tensor:
+    return layout.pack_q(x)  # compare valid queries only
+
+
+@pytest.mark.parametrize("backend", ["fmha-v2", "fa3"])
+@pytest.mark.parametrize("dim", [64, 128])
+def test_dense_ragged_matches_reference(backend, dim):
+    _hopper_route(backend)
+    drop = backend == "fa3"
+    q, k, v, layout = _ragged_inputs(dim=dim, drop_queries=drop)
+    ref, _ = _reference(q, k, v, layout, None)
+    out = _run(q, k, v, layout, backend)
+    assert rel_l1(_valid(out, layout), _valid(ref, layout)) < 1e-2
+    assert cosine(_valid(out, layout), _valid(ref, layout)) > 0.9999
+    if drop:
+        assert torch.all(out[0, -100:] == 0)  # dropped queries come back as zero rows
+
+
+def test_fmha_v2_refuses_fewer_queries_than_keys_and_auto_moves_on():
+    _hopper_route("fmha-v2")
+    q, k, v, layout = _ragged_inputs(drop_queries=True)
+    call = AttentionCall(layout.pack_q(q), layout.pack_kv(k), layout.pack_kv(v), layout, DIM**-0.5)
+    assert any("fewer queries than keys" in r for r in get_route("fmha-v2").not_supported_reasons(call))
+    ref, _ = _reference(q, k, v, layout, None)
+    out, result = run_attention(q, k, v, layout=layout)
+    assert result.route != "fmha-v2"
+    assert rel_l1(_valid(out.float(), layout), _valid(ref, layout)) < 1e-2
+
+
+def test_fmha_v2_grouped_query_matches_reference():
+    _hopper_route("fmha-v2")
+    q, k, v, layout = _ragged_inputs()
+    k, v = k[:, :, ::2].contiguous(), v[:, :, ::2].contiguous()  # 2 KV heads for 4 query heads
+    ref, _ = _reference(q, k, v, layout, None)
+    out = _run(q, k, v, layout, "fmha-v2")
+    assert rel_l1(_valid(out, layout), _valid(ref, layout)) < 1e-2
+
+
+def test_skip_that_skips_nothing_equals_dense():
+    _hopper_route("fmha-v2")
+    q, k, v, layout = _ragged_inputs()
+    lam = 1e-30
+    _, skipped = _reference(q, k, v, layout, lam)
+    assert skipped == 0.0
+    dense = _run(q, k, v, layout, "fmha-v2")
+    skip = _run(q, k, v, layout, "fmha-v2", lam)
+    assert rel_l1(_valid(skip, layout), _valid(dense, layout)) < 1e-3
+
+
+def test_skip_error_grows_with_the_reference():
+    _hopper_route("fmha-v2")
+    q, k, v, layout = _ragged_inputs(locality=0.5)
+    ref_dense, _ = _reference(q, k, v, layout, None)
+    ref_errors, kernel_errors, fractions = [], [], []
+    for lam in (1e-3, 1e-2, 5e-2, 0.2):
+        ref_skip, skipped = _reference(q, k, v, layout, lam)
+        out = _run(q, k, v, layout, "fmha-v2", lam)
+        fractions.append(skipped)
+        ref_errors.append(rel_l1(_valid(ref_skip, layout), _valid(ref_dense, layout)))
+        kernel_errors.append(rel_l1(_valid(out, layout), _valid(ref_dense, layout)))
+    print("skipped", fractions, "reference rel-L1", ref_errors, "fmha-v2 rel-L1", kernel_errors)
+    assert fractions == sorted(fractions) and fractions[-1] > 0.3
+    assert ref_errors[-1] > ref_errors[0]
+    for ref_err, ker_err in zip(ref_errors, kernel_errors):
+        # bf16 rounding (~4e-3) on top of the reference's own skipping error, within a factor 2
+        assert ker_err <= 2.0 * ref_err + 6e-3
+        assert ker_err >= 0.5 * ref_err - 6e-3
