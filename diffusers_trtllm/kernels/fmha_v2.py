@@ -11,10 +11,12 @@ head dim 64 / 128 / 256), the first KV step never skipped: DESIGN.md's rule, wit
 those tiles. SM120 gets dense kernels only (no skip-softmax kernels are generated
 there). Everything compiles by JIT on first use (about 80 s per dtype).
 
-Measured on the H200 (FlashInfer 0.7.4): a sequence with fewer queries than keys
-comes out wrong (rel-L1 0.2-0.3, for that sequence or another one of the batch),
-so such batches are refused here and go to another route; equal lengths, more
-queries than keys (cross-attention) and mixed lengths across the batch are right.
+Measured on the H200 (FlashInfer 0.7.4), on ragged batches: a sequence with fewer
+queries than keys comes out wrong (rel-L1 0.2-0.3, for that sequence or another one
+of the batch); with more queries than keys, or grouped-query heads, outputs hold
+NaNs, sometimes only (run to run). So this route serves only batches whose every
+sequence has as many queries as keys, with one KV head per query head; other calls
+go to another route.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ class FmhaV2Route(Route):
         sms=frozenset({90, 120}),
         head_dims=frozenset({64, 128, 256}),
         skip_softmax=True,
+        grouped_query=False,  # NaNs with FlashInfer 0.7.4 (measured on H200)
     )
 
     def extra_reasons(self, call: AttentionCall) -> list[str]:
@@ -60,11 +63,11 @@ class FmhaV2Route(Route):
         reasons = []
         if call.v.shape[-1] != call.q.shape[-1]:
             reasons.append(f"value head dim {call.v.shape[-1]} differs from query head dim {call.q.shape[-1]}")
-        short_q = [i for i, (lq, lkv) in enumerate(zip(call.layout.q_lens, call.layout.kv_lens)) if 0 < lq < lkv]
-        if short_q:
+        unequal = [i for i, (lq, lkv) in enumerate(zip(call.layout.q_lens, call.layout.kv_lens)) if lq != lkv]
+        if unequal:
             reasons.append(
-                f"sequences {short_q[:4]} have fewer queries than keys, which FlashInfer 0.7.4's fmha-v2 "
-                "gets wrong (measured on H200)"
+                f"sequences {unequal[:4]} have unequal query and key counts, which FlashInfer 0.7.4's fmha-v2 "
+                "gets wrong (wrong values or NaNs, measured on H200)"
             )
         sm = device_sm(call.q.device)
         if call.skip_factor is not None and sm not in SKIP_SMS:
