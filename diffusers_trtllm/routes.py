@@ -233,6 +233,12 @@ def _load_builtin_routes() -> None:
 
     for module in ROUTE_MODULES:
         importlib.import_module(f"{__package__}.kernels.{module}")
+    # A module imported by another registers early: restore ROUTE_MODULES' order (others keep theirs, after).
+    def position(name: str) -> int:
+        module = type(_ROUTES[name]).__module__.rsplit(".", 1)[-1]
+        return ROUTE_MODULES.index(module) if module in ROUTE_MODULES else len(ROUTE_MODULES)
+
+    _ORDER.sort(key=position)
 
 
 #: Route modules in default priority order (fastest specialised kernels first).

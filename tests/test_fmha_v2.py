@@ -114,9 +114,14 @@ def test_dense_order_on_sm90_follows_the_measured_table(monkeypatch):
     assert get_route("fmha-v2").priority(skip) < min(get_route(n).priority(skip) for n in route_names() if n != "fmha-v2")
 
 
-def test_dense_order_off_hopper_keeps_registration_order():
+def test_dense_order_off_hopper_keeps_registration_order_with_triton_after_sdpa():
     call = _call()  # CPU: no SM
-    assert [get_route(n).priority(call) for n in route_names()] == sorted(get_route(n).priority(call) for n in route_names())
+    names = [n for n in route_names() if n != "triton"]
+    assert [get_route(n).priority(call) for n in names] == sorted(get_route(n).priority(call) for n in names)
+    # The Triton kernel's dense path is the fallback: cuDNN / FlashAttention-2 through sdpa come first.
+    assert get_route("sdpa").priority(call) < get_route("triton").priority(call) < get_route("reference").priority(call)
+    skip = _call(skip=10.0)
+    assert get_route("triton").priority(skip) < get_route("sdpa").priority(skip)
     assert select_route(call).name == "sdpa"
 
 

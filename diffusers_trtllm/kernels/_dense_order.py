@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from ..routes import AttentionCall, device_sm
 
-__all__ = ["SM90_DENSE_ORDER", "kv_bucket", "dense_priority", "PREFERRED"]
+__all__ = ["SM90_DENSE_ORDER", "kv_bucket", "dense_priority", "MeasuredDenseOrder", "PREFERRED"]
 
 #: Priority given to a route chosen by this table: ahead of every default position.
 PREFERRED = -100.0
@@ -43,3 +43,13 @@ def dense_priority(call: AttentionCall, route_name: str) -> float | None:
     if order is None or route_name not in order:
         return None
     return PREFERRED + order.index(route_name)
+
+
+class MeasuredDenseOrder:
+    """Route mixin: on dense SM90 calls, rank by ``SM90_DENSE_ORDER``; elsewhere keep the default order."""
+
+    name: str
+
+    def priority(self, call: AttentionCall) -> float:
+        rank = dense_priority(call, self.name)
+        return super().priority(call) if rank is None else rank  # type: ignore[misc]

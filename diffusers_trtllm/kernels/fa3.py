@@ -18,7 +18,7 @@ import torch
 from ..layout import PackedLayout
 from ..routes import AttentionCall, AttentionResult, Capabilities, Route, register_route
 from . import _flashinfer
-from ._dense_order import dense_priority
+from ._dense_order import MeasuredDenseOrder
 
 __all__ = ["Fa3Route"]
 
@@ -71,7 +71,7 @@ def _ragged_wrapper(call: AttentionCall) -> Any:
     return wrapper
 
 
-class Fa3Route(Route):
+class Fa3Route(MeasuredDenseOrder, Route):
     name = "fa3"
     caps = Capabilities(sms=frozenset({90}), head_dims=frozenset({64, 128, 256}))
 
@@ -83,10 +83,6 @@ class Fa3Route(Route):
             return [f"value head dim {call.v.shape[-1]} differs from query head dim {call.q.shape[-1]}"]
         jit = _flashinfer.jit_missing_reason(module_uri(call))
         return [jit] if jit else []
-
-    def priority(self, call: AttentionCall) -> float:
-        rank = dense_priority(call, self.name)
-        return super().priority(call) if rank is None else rank
 
     def run(self, call: AttentionCall) -> AttentionResult:
         _flashinfer.announce_jit(module_uri(call), seconds=90)

@@ -25,7 +25,7 @@ import torch
 
 from ..routes import AttentionCall, AttentionResult, Capabilities, Route, device_sm, register_route
 from . import _flashinfer
-from ._dense_order import PREFERRED, dense_priority
+from ._dense_order import PREFERRED, MeasuredDenseOrder
 
 __all__ = ["FmhaV2Route", "SKIP_SMS", "kv_step", "Q_STEP"]
 
@@ -47,7 +47,7 @@ def module_uri(dtype: torch.dtype) -> str:
     return f"trtllm_fmha_v2_separate_q_k_v_{name}_{name}"
 
 
-class FmhaV2Route(Route):
+class FmhaV2Route(MeasuredDenseOrder, Route):
     name = "fmha-v2"
     caps = Capabilities(
         sms=frozenset({90, 120}),
@@ -80,8 +80,7 @@ class FmhaV2Route(Route):
     def priority(self, call: AttentionCall) -> float:
         if call.skip_factor is not None and device_sm(call.q.device) in SKIP_SMS:
             return PREFERRED  # the fastest skip-softmax kernel on Hopper
-        rank = dense_priority(call, self.name)
-        return super().priority(call) if rank is None else rank
+        return super().priority(call)
 
     def run(self, call: AttentionCall) -> AttentionResult:
         fi = _flashinfer.flashinfer_or_none()

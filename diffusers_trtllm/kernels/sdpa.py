@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from ..routes import AttentionCall, AttentionResult, Capabilities, Route, register_route
-from ._dense_order import dense_priority
+from ._dense_order import MeasuredDenseOrder
 
 
 def pad_index(lens: tuple[int, ...], max_len: int, device: torch.device) -> torch.Tensor:
@@ -18,16 +18,12 @@ def pad_index(lens: tuple[int, ...], max_len: int, device: torch.device) -> torc
     return torch.cat(idx)
 
 
-class SdpaRoute(Route):
+class SdpaRoute(MeasuredDenseOrder, Route):
     name = "sdpa"
     caps = Capabilities(
         device_types=frozenset({"cuda", "cpu"}),
         dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
     )
-
-    def priority(self, call: AttentionCall) -> float:
-        rank = dense_priority(call, self.name)  # on Hopper, cuDNN against fa3 / fmha-v2 by measurement
-        return super().priority(call) if rank is None else rank
 
     def run(self, call: AttentionCall) -> AttentionResult:
         layout, q, k, v = call.layout, call.q, call.k, call.v
