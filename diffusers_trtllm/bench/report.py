@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import platform
 import shlex
@@ -19,10 +20,11 @@ __all__ = ["environment", "write_json", "write_markdown", "write_plot"]
 
 
 def _version(module: str) -> str | None:
+    """Installed version of a distribution (sageattention has no ``__version__``), or None."""
     try:
-        return __import__(module).__version__
-    except Exception:
-        return None
+        return importlib.metadata.version(module)
+    except importlib.metadata.PackageNotFoundError:
+        return getattr(sys.modules.get(module), "__version__", None)
 
 
 def environment(device: str) -> dict[str, Any]:
