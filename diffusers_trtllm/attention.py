@@ -74,6 +74,22 @@ def build_layout(
     return cache.get(attn_mask, (batch, q_len, kv_len), build)
 
 
+def _check_layout(layout: PackedLayout, query: torch.Tensor, key: torch.Tensor) -> None:
+    """A caller's layout must describe these tensors: same device, same (flattened) token counts."""
+    if layout.cu_seqlens_q.device != query.device:
+        raise ValueError(
+            f"layout metadata is on {layout.cu_seqlens_q.device} but query is on {query.device}; "
+            "build the cu_seqlens on the Q/K device."
+        )
+    for name, x, expected in (("query", query, layout.batch * layout.q_len), ("key", key, layout.batch * layout.kv_len)):
+        if x.shape[0] * x.shape[1] != expected:
+            raise ValueError(
+                f"layout describes {expected} {name} token slots (batch {layout.batch} x {expected // layout.batch}) "
+                f"but {name} holds {x.shape[0]} x {x.shape[1]}; pass a packed [1, tokens, heads, dim] tensor "
+                "matching the layout's cu_seqlens."
+            )
+
+
 def run_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -110,6 +126,8 @@ def run_attention(
         raise ValueError("pass attn_mask or layout, not both.")
     if layout is None:
         layout = build_layout(query, key, attn_mask, layout_cache)
+    else:
+        _check_layout(layout, query, key)
     quant = QuantConfig.from_kwargs(quant) if isinstance(quant, dict) else quant
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(query.shape[-1])
     call = AttentionCall(

@@ -151,3 +151,45 @@ def test_layout_cache_builds_once_per_mask_object():
     other = mask.clone()
     cache.get(other, "k", build)
     assert len(builds) == 3
+
+
+def test_run_attention_checks_a_callers_layout():
+    from diffusers_trtllm import run_attention
+
+    layout = PackedLayout.from_cu_seqlens(_cu([0, 3, 7]), _cu([0, 3, 7]), 4, 4, q_tokens=7, kv_tokens=7)
+    x = torch.randn(1, 7, 2, 8)
+    out, _ = run_attention(x, x, x, layout=layout)
+    assert out.shape == (1, 7, 2, 8)
+    with pytest.raises(ValueError, match="token slots"):
+        run_attention(x[:, :6], x[:, :6], x[:, :6], layout=layout)
+    with pytest.raises(ValueError, match="attn_mask or layout"):
+        run_attention(x, x, x, layout=layout, attn_mask=torch.ones(1, 7, dtype=torch.bool))
+
+
+@pytest.mark.parametrize(
+    "shapes, kwargs, needle",
+    [
+        (((2, 8, 4), (2, 8, 4), (2, 8, 4)), {}, r"\[batch, tokens, heads, head_dim\]"),
+        (((1, 8, 4, 16), (1, 9, 4, 16), (1, 8, 4, 16)), {}, "do not agree"),
+        (((1, 8, 3, 16), (1, 8, 2, 16), (1, 8, 2, 16)), {}, "multiple of key heads"),
+        (((1, 8, 2, 16),) * 3, {"fallback": "sparse"}, "fallback must be"),
+        (((1, 8, 2, 16),) * 3, {"backend": "cudnn"}, "unknown backend 'cudnn'"),
+    ],
+)
+def test_run_attention_rejects_bad_inputs(shapes, kwargs, needle):
+    from diffusers_trtllm import run_attention
+
+    q, k, v = (torch.randn(*s) for s in shapes)
+    with pytest.raises(ValueError, match=needle):
+        run_attention(q, k, v, **kwargs)
+
+
+def test_explicit_backend_that_cannot_serve_lists_every_route():
+    from diffusers_trtllm import NoRouteError, SkipSoftmaxConfig, run_attention, route_names
+
+    x = torch.randn(1, 8, 2, 16)
+    with pytest.raises(NoRouteError) as err:
+        run_attention(x, x, x, skip=SkipSoftmaxConfig(threshold=0.1), backend="sdpa")
+    message = str(err.value)
+    assert "backend='sdpa' cannot serve" in message and "fallback='dense'" in message
+    assert all(f"{name}:" in message for name in route_names())
