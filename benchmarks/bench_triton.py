@@ -30,7 +30,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from diffusers_trtllm.bench.inputs import parse_shapes, structured_qkv  # noqa: E402
-from diffusers_trtllm.bench.timing import skipped_fraction, threshold_for, tile_criticals  # noqa: E402
+from diffusers_trtllm.bench.timing import cosine, rel_l1, skipped_fraction, threshold_for, tile_criticals  # noqa: E402
 from diffusers_trtllm.config import QuantConfig  # noqa: E402
 from diffusers_trtllm.kernels.triton_attn import KernelConfig, triton_attention  # noqa: E402
 from diffusers_trtllm.kernels.triton_quant import sage_quantize_triton  # noqa: E402
@@ -65,14 +65,6 @@ def dense_fp32(q, k, v, heads, scale, chunk=4096):
         s = torch.matmul(qh[:, i : i + chunk], kh.transpose(1, 2)) * scale
         out[:, i : i + chunk] = torch.matmul(torch.softmax(s, dim=-1), vh)
     return out.transpose(0, 1)
-
-
-def rel_l1(out, ref):
-    return float((out.double() - ref.double()).abs().sum() / ref.double().abs().sum())
-
-
-def cosine(out, ref):
-    return float(F.cosine_similarity(out.double().flatten(), ref.double().flatten(), dim=0))
 
 
 def environment() -> dict:

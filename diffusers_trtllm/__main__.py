@@ -20,6 +20,7 @@ import torch
 from diffusers.callbacks import PipelineCallback
 
 from . import TrtllmAttnProcessor, attach_denoise_tracking, load_calibration
+from .bench.timing import cosine, rel_l1
 
 _DEMO_PROMPT_TOKENS = 8
 
@@ -132,9 +133,7 @@ def save_side_by_side(panels: list[tuple[str, Any]], path: str, min_size: int = 
 
 
 def _difference(latents: torch.Tensor, dense: torch.Tensor) -> str:
-    rel_l1 = float((latents - dense).abs().sum() / dense.abs().sum().clamp_min(1e-12))
-    cosine = float(torch.nn.functional.cosine_similarity(latents.flatten(), dense.flatten(), dim=0))
-    return f"final latents rel-L1 {rel_l1:.2e}, cosine {cosine:.6f}"
+    return f"final latents rel-L1 {rel_l1(latents, dense):.2e}, cosine {cosine(latents, dense):.6f}"
 
 
 def _processor(args: argparse.Namespace, skip: bool, sage: bool, backend: str) -> TrtllmAttnProcessor:

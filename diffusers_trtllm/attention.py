@@ -10,11 +10,22 @@ import torch
 from ._logging import warn_once
 from .config import QuantConfig, SkipSoftmaxConfig
 from .layout import LayoutCache, PackedLayout, key_padding_mask
-from .routes import AttentionCall, AttentionResult, NoRouteError, select_route
+from .routes import AttentionCall, AttentionResult, NoRouteError, get_route, select_route
 
-__all__ = ["attention", "run_attention", "resolve_skip_factor", "resolve_quant", "build_layout"]
+__all__ = ["attention", "run_attention", "resolve_skip_factor", "resolve_quant", "build_layout", "check_route_choice"]
 
 FALLBACKS = (None, "dense")
+
+
+def check_route_choice(backend: str, fallback: str | None, where: str = "") -> None:
+    """Reject an unknown ``backend`` or ``fallback`` before any work; ``where`` names the setting's owner."""
+    if backend != "auto":
+        try:
+            get_route(backend)
+        except ValueError as err:
+            raise ValueError(f"{err}{where}") from None
+    if fallback not in FALLBACKS:
+        raise ValueError(f"fallback must be None or 'dense'; got {fallback!r}{where}.")
 
 
 def resolve_skip_factor(
@@ -108,8 +119,7 @@ def run_attention(
     layout_cache: LayoutCache | None = None,
 ) -> tuple[torch.Tensor, AttentionResult]:
     """Attention over ``[batch, tokens, heads, dim]`` tensors; returns the output and the route's result."""
-    if fallback not in FALLBACKS:
-        raise ValueError(f"fallback must be None or 'dense'; got {fallback!r}.")
+    check_route_choice(backend, fallback)
     if query.ndim != 4 or key.ndim != 4 or value.ndim != 4:
         raise ValueError(
             "query, key and value must be [batch, tokens, heads, head_dim]; got shapes "

@@ -33,10 +33,10 @@ import torch
 
 from . import families
 from ._logging import info_once, logger, warn_once
-from .attention import build_layout, resolve_quant, resolve_skip_factor, run_attention
+from .attention import build_layout, check_route_choice, resolve_quant, resolve_skip_factor, run_attention
 from .config import QuantConfig, SkipSoftmaxConfig
 from .layout import LayoutCache, MaskNotSupportedError, PackedLayout
-from .routes import get_route, route_names
+from .routes import get_route
 
 __all__ = ["TrtllmAttnProcessor", "LayerState", "StepRecord", "Calibration", "ROLES"]
 
@@ -165,12 +165,8 @@ def _role_settings(base: Mapping[str, Any], override: Any, role: str) -> _Settin
         kw["skip_softmax_threshold"] = None
     skip = SkipSoftmaxConfig.from_kwargs(kw)
     quant = QuantConfig.from_kwargs(kw["quant"]) if kw["quant"] is not None else None
-    backend = kw["backend"]
-    if backend != "auto" and backend not in route_names():
-        raise ValueError(f"backend must be 'auto' or one of {route_names()}; got {backend!r} (role {role!r}).")
-    if kw["fallback"] not in (None, "dense"):
-        raise ValueError(f"fallback must be None or 'dense'; got {kw['fallback']!r} (role {role!r}).")
-    return _Settings(skip, quant if quant is not None and quant.enabled else None, backend, kw["fallback"])
+    check_route_choice(kw["backend"], kw["fallback"], where=f" (role {role!r})")
+    return _Settings(skip, quant if quant is not None and quant.enabled else None, kw["backend"], kw["fallback"])
 
 
 class TrtllmAttnProcessor:
