@@ -23,7 +23,7 @@ def check_route_choice(backend: str, fallback: str | None, where: str = "") -> N
         try:
             get_route(backend)
         except ValueError as err:
-            raise ValueError(f"{err}{where}") from None
+            raise ValueError(f"{str(err).rstrip('.')}{where}.") from None
     if fallback not in FALLBACKS:
         raise ValueError(f"fallback must be None or 'dense'; got {fallback!r}{where}.")
 
