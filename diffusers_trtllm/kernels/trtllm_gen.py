@@ -8,6 +8,7 @@ this project (no Blackwell GPU was available); its contract is tested on the CPU
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any, Callable
 
@@ -30,6 +31,7 @@ def _quantize_fn() -> Callable[..., tuple[torch.Tensor, ...]] | None:
     return getattr(_flashinfer.flashinfer_or_none(), "trtllm_sage_attention_quantize", None)
 
 
+@functools.lru_cache(maxsize=8)  # route selection asks on every call; the signature never changes
 def _accepts_sage(fn: Callable[..., Any]) -> bool:
     try:
         return "sage_attn_sfs" in inspect.signature(fn).parameters
