@@ -12,7 +12,7 @@ import torch
 
 from conftest import cosine, rel_l1, requires_cuda
 from diffusers_trtllm import PackedLayout, SkipSoftmaxConfig, run_attention
-from diffusers_trtllm.bench.inputs import Shape, structured_qkv
+from diffusers_trtllm.bench.inputs import holed_batch
 from diffusers_trtllm.kernels.fmha_v2 import Q_STEP, kv_step
 from diffusers_trtllm.kernels.reference import reference_attention
 from diffusers_trtllm.routes import AttentionCall, device_sm, get_route
@@ -34,23 +34,14 @@ def _hopper_route(name: str) -> None:
 
 
 def _ragged_inputs(locality: float = 0.5, dim: int = DIM, queries: str = "valid"):
-    """Three rows with a hole of padded keys in the middle of each.
+    """Three rows with a hole of padded keys in the middle of each (``bench.inputs.holed_batch``).
 
     ``queries``: ``"valid"`` keeps the queries at the valid key positions (as many
     queries as keys: what fmha-v2 serves), ``"all"`` keeps every query (more queries
     than keys) and ``"fewer"`` drops 100 more queries from the first row.
     """
-    q, k, v = structured_qkv(Shape("t", len(KV_VALID), SEQ, HEADS, dim, (32, 48)), locality, seed=1, device="cuda")
-    kv_mask = torch.zeros(len(KV_VALID), SEQ, dtype=torch.bool, device="cuda")
-    for b, n in enumerate(KV_VALID):  # drop a block in the middle of the row
-        hole = SEQ - n
-        kv_mask[b, : SEQ // 3] = True
-        kv_mask[b, SEQ // 3 + hole :] = True
-    q_mask = None if queries == "all" else kv_mask.clone()
-    if queries == "fewer":
-        q_mask[0, -100:] = False
-    layout = PackedLayout.from_masks(len(KV_VALID), SEQ, SEQ, kv_mask=kv_mask, q_mask=q_mask)
-    return q, k, v, layout
+    mode = {"valid": "equal", "all": "more", "fewer": "fewer"}[queries]
+    return holed_batch(seq=SEQ, kv_valid=KV_VALID, heads=HEADS, head_dim=dim, queries=mode, locality=locality)
 
 
 def _reference(q, k, v, layout, lam: float | None):

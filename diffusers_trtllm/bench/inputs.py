@@ -29,7 +29,9 @@ from typing import Any, Iterator
 
 import torch
 
-__all__ = ["Shape", "SHAPES", "parse_shapes", "structured_qkv", "save_qkv", "load_qkv", "capture_qkv"]
+from ..layout import PackedLayout
+
+__all__ = ["Shape", "SHAPES", "parse_shapes", "structured_qkv", "holed_batch", "save_qkv", "load_qkv", "capture_qkv"]
 
 #: Logit contrast (nats) at ``locality=1`` between a query's own position and an unrelated key.
 MAX_CONTRAST = 24.0
@@ -82,7 +84,7 @@ STANDARD_SHAPES = ("flux_1024", "qwen_image_1328", "wan_1.3b_480p", "wan_14b_480
 
 
 def parse_shapes(spec: str) -> list[Shape]:
-    """``"flux_1024,wan_14b_480p"``, ``"standard"``, or custom ``"name=B:S:H:D"`` entries."""
+    """``"flux_1024,wan_14b_480p"``, ``"standard"``, or custom ``"name=B:S:H:D[:KV]"`` entries (KV: key tokens)."""
     shapes = []
     for item in (s.strip() for s in spec.split(",") if s.strip()):
         if item == "standard":
@@ -90,10 +92,12 @@ def parse_shapes(spec: str) -> list[Shape]:
         elif "=" in item:
             name, dims = item.split("=", 1)
             try:
-                b, s, h, d = (int(x) for x in dims.split(":"))
+                b, s, h, d, *kv = (int(x) for x in dims.split(":"))
+                if len(kv) > 1:
+                    raise ValueError
             except ValueError:
-                raise ValueError(f"custom shape {item!r} must read name=BATCH:TOKENS:HEADS:HEAD_DIM") from None
-            shapes.append(Shape(name, b, s, h, d, _image_grid(s)))
+                raise ValueError(f"custom shape {item!r} must read name=BATCH:TOKENS:HEADS:HEAD_DIM[:KV_TOKENS]") from None
+            shapes.append(Shape(name, b, s, h, d, _image_grid(s), kv_tokens=kv[0] if kv else None))
         elif item in SHAPES:
             shapes.append(SHAPES[item])
         else:
@@ -198,3 +202,36 @@ def capture_qkv(path: str | Path, *, call_index: int = 0, **meta: Any) -> Iterat
         yield state
     finally:
         F.scaled_dot_product_attention = original
+
+
+def holed_batch(
+    *,
+    seq: int = 1536,
+    kv_valid: tuple[int, ...] = (1536, 1000, 700),
+    heads: int = 4,
+    kv_heads: int | None = None,
+    head_dim: int = 128,
+    queries: str = "equal",
+    locality: float = 0.5,
+    seed: int = 1,
+    device: torch.device | str = "cuda",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, PackedLayout]:
+    """A ragged test batch: row ``b`` keeps ``kv_valid[b]`` keys, with the padded ones in the middle.
+
+    Returns structured ``[batch, seq, heads, dim]`` Q/K/V (K/V with ``kv_heads``) and the layout.
+    ``queries``: ``"equal"`` keeps queries where keys are valid (as many queries as keys),
+    ``"more"`` keeps every query, ``"fewer"`` also drops 100 queries from the first row.
+    """
+    if queries not in ("equal", "more", "fewer"):
+        raise ValueError(f"queries must be 'equal', 'more' or 'fewer'; got {queries!r}.")
+    q, k, v = structured_qkv(Shape("holed", len(kv_valid), seq, heads, head_dim, (32, 48)), locality, seed=seed, device=device)
+    kv_heads = kv_heads or heads
+    k, v = k[:, :, :kv_heads].contiguous(), v[:, :, :kv_heads].contiguous()
+    kv_mask = torch.zeros(len(kv_valid), seq, dtype=torch.bool, device=device)
+    for b, n in enumerate(kv_valid):
+        kv_mask[b, : seq // 3] = True
+        kv_mask[b, seq // 3 + seq - n :] = True
+    q_mask = None if queries == "more" else kv_mask.clone()
+    if queries == "fewer":
+        q_mask[0, -100:] = False
+    return q, k, v, PackedLayout.from_masks(len(kv_valid), seq, seq, kv_mask=kv_mask, q_mask=q_mask)

@@ -27,7 +27,7 @@ from ..routes import AttentionCall, AttentionResult, Capabilities, Route, device
 from . import _flashinfer
 from ._dense_order import PREFERRED, MeasuredDenseOrder
 
-__all__ = ["FmhaV2Route", "SKIP_SMS", "kv_step", "Q_STEP"]
+__all__ = ["FmhaV2Route", "SKIP_SMS", "kv_step", "Q_STEP", "prefill", "fmha_v2_reasons"]
 
 #: SMs whose FMHAv2 kernels FlashInfer builds with skip-softmax.
 SKIP_SMS = frozenset({90})
@@ -47,6 +47,29 @@ def module_uri(dtype: torch.dtype) -> str:
     return f"trtllm_fmha_v2_separate_q_k_v_{name}_{name}"
 
 
+def fmha_v2_reasons(call: AttentionCall, uri: str) -> list[str]:
+    """Why FlashInfer's fmha-v2 (JIT module ``uri``) cannot serve ``call``, beyond the capability table."""
+    missing = _flashinfer.flashinfer_missing_reason()
+    if missing:
+        return [missing]
+    reasons = []
+    if call.v.shape[-1] != call.q.shape[-1]:
+        reasons.append(f"value head dim {call.v.shape[-1]} differs from query head dim {call.q.shape[-1]}")
+    unequal = [i for i, (lq, lkv) in enumerate(zip(call.layout.q_lens, call.layout.kv_lens)) if lq != lkv]
+    if unequal:
+        reasons.append(
+            f"sequences {unequal[:4]} have unequal query and key counts, which FlashInfer 0.7.4's fmha-v2 "
+            "gets wrong (wrong values or NaNs, measured on H200)"
+        )
+    sm = device_sm(call.q.device)
+    if call.skip_factor is not None and sm not in SKIP_SMS:
+        reasons.append(f"FlashInfer builds fmha-v2 skip-softmax kernels for SM90 only, this GPU is sm_{sm}")
+    jit = _flashinfer.jit_missing_reason(uri)
+    if jit:
+        reasons.append(jit)
+    return reasons
+
+
 class FmhaV2Route(MeasuredDenseOrder, Route):
     name = "fmha-v2"
     caps = Capabilities(
@@ -57,25 +80,7 @@ class FmhaV2Route(MeasuredDenseOrder, Route):
     )
 
     def extra_reasons(self, call: AttentionCall) -> list[str]:
-        missing = _flashinfer.flashinfer_missing_reason()
-        if missing:
-            return [missing]
-        reasons = []
-        if call.v.shape[-1] != call.q.shape[-1]:
-            reasons.append(f"value head dim {call.v.shape[-1]} differs from query head dim {call.q.shape[-1]}")
-        unequal = [i for i, (lq, lkv) in enumerate(zip(call.layout.q_lens, call.layout.kv_lens)) if lq != lkv]
-        if unequal:
-            reasons.append(
-                f"sequences {unequal[:4]} have unequal query and key counts, which FlashInfer 0.7.4's fmha-v2 "
-                "gets wrong (wrong values or NaNs, measured on H200)"
-            )
-        sm = device_sm(call.q.device)
-        if call.skip_factor is not None and sm not in SKIP_SMS:
-            reasons.append(f"FlashInfer builds fmha-v2 skip-softmax kernels for SM90 only, this GPU is sm_{sm}")
-        jit = _flashinfer.jit_missing_reason(module_uri(call.q.dtype))
-        if jit:
-            reasons.append(jit)
-        return reasons
+        return fmha_v2_reasons(call, module_uri(call.q.dtype))
 
     def priority(self, call: AttentionCall) -> float:
         if call.skip_factor is not None and device_sm(call.q.device) in SKIP_SMS:
@@ -83,25 +88,41 @@ class FmhaV2Route(MeasuredDenseOrder, Route):
         return super().priority(call)
 
     def run(self, call: AttentionCall) -> AttentionResult:
-        fi = _flashinfer.flashinfer_or_none()
-        layout = call.layout
-        _flashinfer.announce_jit(module_uri(call.q.dtype))
-        out = fi.prefill.trtllm_fmha_v2_prefill(
-            (call.q.contiguous(), call.k.contiguous(), call.v.contiguous()),
-            "SEPARATE_Q_K_V",
-            _flashinfer.flashinfer_workspace(call.q.device),
-            seq_lens=layout.seq_lens_kv,
-            max_q_len=layout.max_seqlen_q,
-            max_kv_len=layout.max_seqlen_kv,
-            bmm1_scale=call.softmax_scale,
-            bmm2_scale=1.0,
-            batch_size=layout.num_seqs,
-            cum_seq_lens_q=layout.cu_seqlens_q,
-            cum_seq_lens_kv=layout.cu_seqlens_kv,
-            mask_mode="padding",
-            skip_softmax_threshold_scale_factor=call.skip_factor or 0.0,
-        )
+        qkv = (call.q.contiguous(), call.k.contiguous(), call.v.contiguous())
+        out = prefill(qkv, "SEPARATE_Q_K_V", call, module_uri(call.q.dtype), bmm1_scale=call.softmax_scale)
         return AttentionResult(out, self.name)
+
+
+def prefill(
+    qkv: tuple[torch.Tensor, ...],
+    input_layout: str,
+    call: AttentionCall,
+    uri: str,
+    *,
+    bmm1_scale: float,
+    bmm2_scale: float = 1.0,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """One ``trtllm_fmha_v2_prefill`` call over ``call``'s ragged batch: non-causal, skip factor from ``call``."""
+    fi = _flashinfer.flashinfer_or_none()
+    layout = call.layout
+    _flashinfer.announce_jit(uri)
+    return fi.prefill.trtllm_fmha_v2_prefill(
+        qkv,
+        input_layout,
+        _flashinfer.flashinfer_workspace(call.q.device),
+        seq_lens=layout.seq_lens_kv,
+        max_q_len=layout.max_seqlen_q,
+        max_kv_len=layout.max_seqlen_kv,
+        bmm1_scale=bmm1_scale,
+        bmm2_scale=bmm2_scale,
+        batch_size=layout.num_seqs,
+        cum_seq_lens_q=layout.cu_seqlens_q,
+        cum_seq_lens_kv=layout.cu_seqlens_kv,
+        out_dtype=out_dtype,
+        mask_mode="padding",
+        skip_softmax_threshold_scale_factor=call.skip_factor or 0.0,
+    )
 
 
 register_route(FmhaV2Route())

@@ -1,0 +1,67 @@
+"""``fmha-v2-fp8`` route: TRT-LLM's FMHAv2 in fp8 e4m3 on Hopper, with skip-softmax.
+
+Serves ``quant={"dtype_qk": "fp8_e4m3"}`` (with or without skip-softmax) on SM90
+through ``flashinfer.prefill.trtllm_fmha_v2_prefill`` in the ``CONTIGUOUS_Q_KV``
+layout (``SEPARATE_Q_K_V`` refuses fp8) with a bf16/fp16 output. The kernel takes
+its dequantization as two host floats, so Q and K get one scale per tensor
+(``fp8_tensor_quant``: K and V smoothed, V scaled per channel and restored after
+the kernel) instead of SAGE's per-block scales: ``q_block_size`` and
+``k_block_size`` do not apply here. fp8's three mantissa bits, not the scale
+granularity, set the error (docs/design.md, "fp8 on FMHAv2", has the measurement);
+``backend="auto"`` prefers this route for fp8 SAGE on SM90 because it is the fastest
+and, measured there, as accurate as the per-block emulation. The skip rule and its
+tiles are fmha-v2's (64 query rows x 128 keys at head dim 128).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..routes import AttentionCall, AttentionResult, Capabilities, Route, device_sm, register_route
+from . import fmha_v2
+from ._dense_order import PREFERRED
+from .fp8_tensor_quant import quantize_fp8_per_tensor, restore_output
+
+__all__ = ["FmhaV2Fp8Route", "module_uri"]
+
+_OUT_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def module_uri(out_dtype: torch.dtype) -> str:
+    """FlashInfer's JIT module for e4m3 inputs in ``CONTIGUOUS_Q_KV`` with this output dtype."""
+    return f"trtllm_fmha_v2_contiguous_q_kv_e4m3_{_OUT_NAMES[out_dtype]}"
+
+
+class FmhaV2Fp8Route(Route):
+    name = "fmha-v2-fp8"
+    caps = Capabilities(
+        sms=frozenset({90}),  # FlashInfer refuses e4m3 FMHAv2 on SM120
+        head_dims=frozenset({64, 128, 256}),
+        skip_softmax=True,
+        sage_dtypes=frozenset({"fp8_e4m3"}),
+        grouped_query=False,  # the bf16 kernels gave NaNs with grouped-query heads (measured on H200)
+    )
+
+    def extra_reasons(self, call: AttentionCall) -> list[str]:
+        reasons = [] if call.quant is not None else ["serves fp8 SAGE calls only (quant dtype_qk='fp8_e4m3')"]
+        return reasons + fmha_v2.fmha_v2_reasons(call, module_uri(call.q.dtype))
+
+    def priority(self, call: AttentionCall) -> float:
+        if call.quant is not None and device_sm(call.q.device) == 90:
+            return PREFERRED  # the fastest fp8 kernel on Hopper, skip-softmax included
+        return super().priority(call)
+
+    def run(self, call: AttentionCall) -> AttentionResult:
+        quant = quantize_fp8_per_tensor(call.q, call.k, call.v)
+        out = fmha_v2.prefill(
+            (quant.q, quant.kv),
+            "CONTIGUOUS_Q_KV",
+            call,
+            module_uri(call.q.dtype),
+            bmm1_scale=call.softmax_scale * quant.qk_scale,
+            out_dtype=call.q.dtype,
+        )
+        return AttentionResult(restore_output(out, quant), self.name)
+
+
+register_route(FmhaV2Fp8Route())

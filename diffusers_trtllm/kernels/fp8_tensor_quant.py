@@ -1,0 +1,129 @@
+"""fp8 e4m3 quantization with per-tensor Q/K scales, for kernels that take scalar scales (FMHAv2).
+
+TRT-LLM's FMHAv2 in e4m3 folds the dequantization of Q and K into one host float
+(``bmm1_scale``) and writes its output in bf16, so the finest scales it accepts for
+Q and K are one per tensor. Two exact rewrites keep the accuracy close to SAGE's
+per-block fp8 (docs/design.md, "fp8 on FMHAv2"):
+
+- K is smoothed: the per-(head, channel) mean of K over all tokens is subtracted
+  before quantizing. That shifts every logit of a query row by the same amount,
+  which softmax ignores, and leaves fp8's range to the part of K that varies.
+- V is smoothed and scaled per (head, channel): ``v' = (v - mean) / scale``. The
+  kernel computes ``P·v'`` with rows of P summing to one, so
+  ``out = (P·v') * scale + mean`` restores it (``restore_output``).
+
+The scales stay on the device except the Q and K amax, which ``bmm1_scale`` needs
+on the host: one small device-to-host copy per call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .reference import AMAX_FLOOR, FP8_MAX
+
+__all__ = ["Fp8TensorQuant", "quantize_fp8_per_tensor", "restore_output"]
+
+
+@dataclass
+class Fp8TensorQuant:
+    """Quantized inputs in FMHAv2's ``CONTIGUOUS_Q_KV`` layout and what undoes the scaling."""
+
+    q: torch.Tensor  # [tokens_q, heads, dim] float8_e4m3fn
+    kv: torch.Tensor  # [tokens_kv, 2, kv_heads, dim] float8_e4m3fn (K smoothed, V smoothed and scaled)
+    qk_scale: float  # scale_q * scale_k, to fold into bmm1_scale
+    v_scale: torch.Tensor  # [kv_heads, dim] float32
+    v_mean: torch.Tensor  # [kv_heads, dim] float32
+
+
+def _centered_amax(x: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
+    """Per-(head, channel) max of ``|x - mean|`` over tokens, without materialising ``x - mean``."""
+    lo, hi = torch.aminmax(x, dim=0)
+    return torch.maximum(hi.float() - mean, mean - lo.float())
+
+
+def _reductions(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[float, float, torch.Tensor, torch.Tensor, torch.Tensor]:
+    k_mean = k.mean(dim=0, dtype=torch.float32)
+    v_mean = v.mean(dim=0, dtype=torch.float32)
+    v_scale = _centered_amax(v, v_mean).clamp_min(AMAX_FLOOR) / FP8_MAX
+    q_lo, q_hi = torch.aminmax(q)
+    amax = torch.stack([torch.maximum(-q_lo.float(), q_hi.float()), _centered_amax(k, k_mean).max()])
+    q_amax, k_amax = (max(a, AMAX_FLOOR) for a in amax.tolist())  # the one host sync
+    return q_amax / FP8_MAX, k_amax / FP8_MAX, k_mean, v_mean, v_scale
+
+
+def _to_fp8(x: torch.Tensor) -> torch.Tensor:
+    return x.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+def quantize_fp8_per_tensor(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Fp8TensorQuant:
+    """Quantize packed ``[tokens, heads, dim]`` Q, K, V; one fused Triton pass on CUDA, torch elsewhere."""
+    q_scale, k_scale, k_mean, v_mean, v_scale = _reductions(q, k, v)
+    tokens_kv, kv_heads, dim = k.shape
+    if q.device.type == "cuda" and _triton_kernel is not None:
+        q8 = torch.empty(q.shape, dtype=torch.float8_e4m3fn, device=q.device)
+        kv8 = torch.empty(tokens_kv, 2, kv_heads, dim, dtype=torch.float8_e4m3fn, device=q.device)
+        _launch(q, k, v, q8, kv8, 1.0 / q_scale, 1.0 / k_scale, k_mean, v_mean, v_scale)
+    else:
+        q8 = _to_fp8(q.float() / q_scale)
+        kv8 = torch.stack([_to_fp8((k.float() - k_mean) / k_scale), _to_fp8((v.float() - v_mean) / v_scale)], dim=1)
+    return Fp8TensorQuant(q8, kv8, q_scale * k_scale, v_scale, v_mean)
+
+
+def restore_output(out: torch.Tensor, quant: Fp8TensorQuant) -> torch.Tensor:
+    """Undo V's smoothing and per-channel scale on the kernel's ``[tokens, heads, dim]`` output."""
+    heads, kv_heads = out.shape[1], quant.v_scale.shape[0]
+    scale = quant.v_scale.repeat_interleave(heads // kv_heads, dim=0)
+    mean = quant.v_mean.repeat_interleave(heads // kv_heads, dim=0)
+    return torch.addcmul(mean.to(out.dtype), out, scale.to(out.dtype))
+
+
+try:  # the fused CUDA quantizer; without Triton the torch path above runs everywhere
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - triton is a test dependency
+    _triton_kernel = None
+else:
+
+    @triton.jit
+    def _triton_kernel(
+        q_ptr, k_ptr, v_ptr, qo_ptr, kvo_ptr, k_mean_ptr, v_mean_ptr, v_scale_ptr,
+        inv_q_scale, inv_k_scale, tokens_q, tokens_kv,
+        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+        H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
+    ):
+        """One program: BLOCK_T tokens of one head; Q rows, and K and V rows when the head has them."""
+        head = tl.program_id(1)
+        tok = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+        dims = tl.arange(0, D)
+        ok = tok < tokens_q
+        x = tl.load(q_ptr + tok[:, None] * stride_qt + head * stride_qh + dims[None, :], mask=ok[:, None], other=0.0)
+        y = tl.clamp(x.to(tl.float32) * inv_q_scale, -448.0, 448.0).to(tl.float8e4nv)
+        tl.store(qo_ptr + tok[:, None] * (H * D) + head * D + dims[None, :], y, mask=ok[:, None])
+        if head < HKV:
+            ok = tok < tokens_kv
+            out = kvo_ptr + tok[:, None] * (2 * HKV * D) + head * D + dims[None, :]
+            x = tl.load(k_ptr + tok[:, None] * stride_kt + head * stride_kh + dims[None, :], mask=ok[:, None], other=0.0)
+            x = (x.to(tl.float32) - tl.load(k_mean_ptr + head * D + dims)[None, :]) * inv_k_scale
+            tl.store(out, tl.clamp(x, -448.0, 448.0).to(tl.float8e4nv), mask=ok[:, None])
+            x = tl.load(v_ptr + tok[:, None] * stride_vt + head * stride_vh + dims[None, :], mask=ok[:, None], other=0.0)
+            x = (x.to(tl.float32) - tl.load(v_mean_ptr + head * D + dims)[None, :]) / tl.load(v_scale_ptr + head * D + dims)[None, :]
+            tl.store(out + HKV * D, tl.clamp(x, -448.0, 448.0).to(tl.float8e4nv), mask=ok[:, None])
+
+
+#: Tokens per program of the fused quantizer.
+_BLOCK_T = 64
+
+
+def _launch(q, k, v, q8, kv8, inv_q_scale, inv_k_scale, k_mean, v_mean, v_scale) -> None:
+    tokens_q, heads, dim = q.shape
+    tokens_kv, kv_heads, _ = k.shape
+    grid = (triton.cdiv(max(tokens_q, tokens_kv), _BLOCK_T), heads)
+    _triton_kernel[grid](
+        q, k, v, q8, kv8, k_mean, v_mean, v_scale,
+        inv_q_scale, inv_k_scale, tokens_q, tokens_kv,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        H=heads, HKV=kv_heads, D=dim, BLOCK_T=_BLOCK_T, num_warps=4,
+    )
