@@ -2,19 +2,20 @@
 #   source benchmarks/gpu_env.sh && python3 ...
 # Installs the carried wheels (FlashInfer, Diffusers), restores FlashInfer kernels built by an
 # earlier call from `.jit/*.tar.xz` into FlashInfer's AOT folder, and on exit packs every module
-# built by JIT in this call into "$OUT/<module>.tar.xz" (carry them back in `.jit/` next time).
+# built by JIT in this call into "$OUT/<module>.tar.xz" (carry them back in `.jit/` next time);
+# call `save_jit` right after a build too, so a command cut short still returns it.
 source .whl/setup.sh
 export PYTHONUNBUFFERED=1
 _aot=/tmp/site/flashinfer/data/aot
 mkdir -p "$_aot"
 for _a in .jit/*.tar.xz; do [ -f "$_a" ] && tar xJf "$_a" -C "$_aot"; done
-_save_jit() {
+save_jit() {
   local so uri
   for so in $(find "$FLASHINFER_WORKSPACE_BASE" -path '*cached_ops*' -name '*.so' 2>/dev/null); do
     uri=$(basename "$so" .so)
     [ -f "$_aot/$uri/$uri.so" ] && continue
     mkdir -p "/tmp/jitpack/$uri" && cp "$so" "/tmp/jitpack/$uri/"
-    tar cJf "${OUT:-/tmp}/$uri.tar.xz" -C /tmp/jitpack "$uri" && echo "saved JIT module $uri ($(du -h "${OUT:-/tmp}/$uri.tar.xz" | cut -f1))"
+    XZ_OPT=-T0 tar cJf "${OUT:-/tmp}/$uri.tar.xz" -C /tmp/jitpack "$uri" && echo "saved JIT module $uri ($(du -h "${OUT:-/tmp}/$uri.tar.xz" | cut -f1))"
   done
 }
-trap _save_jit EXIT
+trap save_jit EXIT

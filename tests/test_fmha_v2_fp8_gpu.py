@@ -37,11 +37,13 @@ def _needs_route():
 
 
 def _inputs(dim=128, kv_heads=4, queries="equal"):
-    q, k, v, layout = holed_batch(head_dim=dim, kv_heads=kv_heads, queries=queries)
-    return layout.pack_q(q), layout.pack_kv(k), layout.pack_kv(v), layout
+    """A holed batch: ``[batch, seq, heads, dim]`` Q/K/V and its layout."""
+    return holed_batch(head_dim=dim, kv_heads=kv_heads, queries=queries)
 
 
 def _reference(q, k, v, layout, lam=None, quant=None):
+    """The reference on the packed batch (fmha-v2's tiles); its ``out`` is packed ``[tokens, heads, dim]``."""
+    q, k, v = layout.pack_q(q), layout.pack_kv(k), layout.pack_kv(v)
     return reference_attention(
         q.float(), k.float(), v.float(), layout.cu_seqlens_q, layout.cu_seqlens_kv, layout.q_lens, layout.kv_lens,
         softmax_scale=q.shape[-1] ** -0.5, skip_factor=None if lam is None else lam * layout.max_seqlen_kv,
@@ -50,14 +52,16 @@ def _reference(q, k, v, layout, lam=None, quant=None):
     )
 
 
-def _run(q, k, v, layout, lam=None, backend="auto"):
+def _run(q, k, v, layout, lam=None):
+    """``backend="auto"`` with skip-softmax at ``lam``: the output packed, and the route's result."""
     skip = None if lam is None else SkipSoftmaxConfig(threshold=lam)
-    out, result = run_attention(q[None], k[None], v[None], layout=layout, skip=skip, quant=FP8, backend=backend)
-    return out[0].float(), result
+    out, result = run_attention(q, k, v, layout=layout, skip=skip, quant=FP8)
+    return layout.pack_q(out).float(), result
 
 
 def test_fused_quantizer_matches_the_torch_path():
-    q, k, v, _ = _inputs()
+    q, k, v, layout = _inputs()
+    q, k, v = layout.pack_q(q), layout.pack_kv(k), layout.pack_kv(v)
     fused = fp8_tensor_quant.quantize_fp8_per_tensor(q, k, v)
     kernel, fp8_tensor_quant._triton_kernel = fp8_tensor_quant._triton_kernel, None
     try:
@@ -103,7 +107,8 @@ def test_skip_error_follows_the_reference():
 @pytest.mark.parametrize("queries, kv_heads", [("fewer", 4), ("more", 4), ("equal", 2)])
 def test_batches_it_refuses_go_elsewhere(queries, kv_heads):
     q, k, v, layout = _inputs(kv_heads=kv_heads, queries=queries)
-    call = AttentionCall(q, k, v, layout, 128**-0.5, quant=QuantConfig(**FP8))
+    packed = (layout.pack_q(q), layout.pack_kv(k), layout.pack_kv(v))
+    call = AttentionCall(*packed, layout, 128**-0.5, quant=QuantConfig(**FP8))
     assert get_route("fmha-v2-fp8").not_supported_reasons(call)
     out, result = _run(q, k, v, layout)
     assert result.route != "fmha-v2-fp8" and not out.isnan().any()

@@ -98,19 +98,19 @@ else:
         head = tl.program_id(1)
         tok = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
         dims = tl.arange(0, D)
-        ok = tok < tokens_q
-        x = tl.load(q_ptr + tok[:, None] * stride_qt + head * stride_qh + dims[None, :], mask=ok[:, None], other=0.0)
-        y = tl.clamp(x.to(tl.float32) * inv_q_scale, -448.0, 448.0).to(tl.float8e4nv)
-        tl.store(qo_ptr + tok[:, None] * (H * D) + head * D + dims[None, :], y, mask=ok[:, None])
+        q_ok = tok < tokens_q
+        q = tl.load(q_ptr + tok[:, None] * stride_qt + head * stride_qh + dims[None, :], mask=q_ok[:, None], other=0.0)
+        q = tl.clamp(q.to(tl.float32) * inv_q_scale, -448.0, 448.0)
+        tl.store(qo_ptr + tok[:, None] * (H * D) + head * D + dims[None, :], q.to(tl.float8e4nv), mask=q_ok[:, None])
         if head < HKV:
-            ok = tok < tokens_kv
+            kv_ok = tok < tokens_kv
             out = kvo_ptr + tok[:, None] * (2 * HKV * D) + head * D + dims[None, :]
-            x = tl.load(k_ptr + tok[:, None] * stride_kt + head * stride_kh + dims[None, :], mask=ok[:, None], other=0.0)
-            x = (x.to(tl.float32) - tl.load(k_mean_ptr + head * D + dims)[None, :]) * inv_k_scale
-            tl.store(out, tl.clamp(x, -448.0, 448.0).to(tl.float8e4nv), mask=ok[:, None])
-            x = tl.load(v_ptr + tok[:, None] * stride_vt + head * stride_vh + dims[None, :], mask=ok[:, None], other=0.0)
-            x = (x.to(tl.float32) - tl.load(v_mean_ptr + head * D + dims)[None, :]) / tl.load(v_scale_ptr + head * D + dims)[None, :]
-            tl.store(out + HKV * D, tl.clamp(x, -448.0, 448.0).to(tl.float8e4nv), mask=ok[:, None])
+            k = tl.load(k_ptr + tok[:, None] * stride_kt + head * stride_kh + dims[None, :], mask=kv_ok[:, None], other=0.0)
+            k = (k.to(tl.float32) - tl.load(k_mean_ptr + head * D + dims)[None, :]) * inv_k_scale
+            tl.store(out, tl.clamp(k, -448.0, 448.0).to(tl.float8e4nv), mask=kv_ok[:, None])
+            v = tl.load(v_ptr + tok[:, None] * stride_vt + head * stride_vh + dims[None, :], mask=kv_ok[:, None], other=0.0)
+            v = (v.to(tl.float32) - tl.load(v_mean_ptr + head * D + dims)[None, :]) / tl.load(v_scale_ptr + head * D + dims)[None, :]
+            tl.store(out + HKV * D, tl.clamp(v, -448.0, 448.0).to(tl.float8e4nv), mask=kv_ok[:, None])
 
 
 #: Tokens per program of the fused quantizer.
