@@ -13,7 +13,7 @@ save_jit() {
   local so uri
   for so in $(find "$FLASHINFER_WORKSPACE_BASE" -path '*cached_ops*' -name '*.so' 2>/dev/null); do
     uri=$(basename "$so" .so)
-    [ -f "$_aot/$uri/$uri.so" ] && continue
+    [ -f "$_aot/$uri/$uri.so" ] || [ -f "${OUT:-/tmp}/$uri.tar.xz" ] && continue
     mkdir -p "/tmp/jitpack/$uri" && cp "$so" "/tmp/jitpack/$uri/"
     XZ_OPT=-T0 tar cJf "${OUT:-/tmp}/$uri.tar.xz" -C /tmp/jitpack "$uri" && echo "saved JIT module $uri ($(du -h "${OUT:-/tmp}/$uri.tar.xz" | cut -f1))"
   done
