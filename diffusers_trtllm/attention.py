@@ -10,6 +10,7 @@ import torch
 from ._logging import warn_once
 from .config import QuantConfig, SkipSoftmaxConfig
 from .layout import LayoutCache, PackedLayout, key_padding_mask
+from .policy import apply_policy
 from .routes import AttentionCall, AttentionResult, NoRouteError, get_route, select_route
 
 __all__ = ["attention", "run_attention", "resolve_skip_factor", "resolve_quant", "build_layout", "check_route_choice"]
@@ -117,8 +118,13 @@ def run_attention(
     role: str = "self",
     collect_stats: bool = False,
     layout_cache: LayoutCache | None = None,
+    policy: str = "auto",
 ) -> tuple[torch.Tensor, AttentionResult]:
-    """Attention over ``[batch, tokens, heads, dim]`` tensors; returns the output and the route's result."""
+    """Attention over ``[batch, tokens, heads, dim]`` tensors; returns the output and the route's result.
+
+    ``policy="auto"`` runs dense where skip-softmax or SAGE cannot pay off on this call
+    (``policy.apply_policy``: measured rules, CUDA only); ``"always"`` honours the request.
+    """
     check_route_choice(backend, fallback)
     if query.ndim != 4 or key.ndim != 4 or value.ndim != 4:
         raise ValueError(
@@ -151,6 +157,8 @@ def run_attention(
         collect_stats=collect_stats,
         role=role,
     )
+    decision = apply_policy(call, policy)
+    call = decision.call
     try:
         route = select_route(call, backend)
     except NoRouteError as err:
@@ -171,6 +179,7 @@ def run_attention(
         )
         call = dense
     result = route.run(call)
+    result.sparse, result.sage, result.note = call.skip_factor is not None, call.quant is not None, decision.note
     return layout.unpack_q(result.out), result
 
 

@@ -26,24 +26,24 @@ import copy
 import functools
 import inspect
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 import torch
 
 from . import families
 from ._logging import info_once, logger, warn_once
-from .attention import build_layout, check_route_choice, resolve_quant, resolve_skip_factor, run_attention
+from .attention import build_layout, check_route_choice, run_attention
 from .config import QuantConfig, SkipSoftmaxConfig
 from .layout import LayoutCache, MaskNotSupportedError, PackedLayout
-from .routes import get_route
+from .policy import POLICIES
 
 __all__ = ["TrtllmAttnProcessor", "LayerState", "StepRecord", "Calibration", "ROLES"]
 
 #: Attention roles a layer can have (see ``families.infer_role``).
 ROLES = ("self", "cross", "joint", "refiner")
 #: Keys a per-role override may set.
-_ROLE_KEYS = ("skip_softmax_threshold", "target_sparsity", "disabled_until_timestep", "quant", "backend", "fallback")
+_ROLE_KEYS = ("skip_softmax_threshold", "target_sparsity", "disabled_until_timestep", "quant", "backend", "fallback", "policy")
 #: Whole-role shortcuts: our kernel without skip/SAGE, or the family's own attention untouched.
 _ROLE_MODES = ("dense", "stock")
 
@@ -68,6 +68,8 @@ class _Settings:
     backend: str
     fallback: str | None
     mode: str = "trtllm"  # or "dense" / "stock"
+    #: ``policy.apply_policy``'s mode: "auto" drops what cannot pay off on a call, "always" honours it.
+    policy: str = "auto"
 
 
 @dataclass
@@ -81,6 +83,8 @@ class StepRecord:
     sage: bool
     skipped_tiles: int | None = None
     total_tiles: int | None = None
+    #: What the policy dropped from the request on this call, and why (None: nothing).
+    note: str | None = None
 
 
 @dataclass(eq=False)
@@ -152,7 +156,7 @@ def _role_settings(base: Mapping[str, Any], override: Any, role: str) -> _Settin
     if isinstance(override, str):
         if override not in _ROLE_MODES:
             raise ValueError(f"roles[{role!r}] must be a dict of overrides or one of {_ROLE_MODES}; got {override!r}.")
-        return _Settings(SkipSoftmaxConfig(), None, base["backend"], base["fallback"], override)
+        return _Settings(SkipSoftmaxConfig(), None, base["backend"], base["fallback"], override, base["policy"])
     if not isinstance(override, Mapping):
         raise ValueError(f"roles[{role!r}] must be a dict of overrides or one of {_ROLE_MODES}; got {override!r}.")
     unknown = sorted(set(override) - set(_ROLE_KEYS))
@@ -166,7 +170,12 @@ def _role_settings(base: Mapping[str, Any], override: Any, role: str) -> _Settin
     skip = SkipSoftmaxConfig.from_kwargs(kw)
     quant = QuantConfig.from_kwargs(kw["quant"]) if kw["quant"] is not None else None
     check_route_choice(kw["backend"], kw["fallback"], where=f" (role {role!r})")
-    return _Settings(skip, quant if quant is not None and quant.enabled else None, kw["backend"], kw["fallback"])
+    # A role the user configured explicitly is honoured on every call unless it names a policy itself.
+    policy = override.get("policy", "always" if override else base["policy"])
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {POLICIES}; got {policy!r} (role {role!r}).")
+    quant = quant if quant is not None and quant.enabled else None
+    return _Settings(skip, quant, kw["backend"], kw["fallback"], policy=policy)
 
 
 class TrtllmAttnProcessor:
@@ -181,6 +190,9 @@ class TrtllmAttnProcessor:
     role (``self``, ``cross``, ``joint``, ``refiner``), e.g. ``{"cross": {"quant": None},
     "refiner": "dense"}``; ``"stock"`` leaves a role on the family's own attention.
     ``collect_stats`` asks routes for skipped-tile counts (a debug cost on GPU kernels).
+    ``policy="auto"`` runs a call dense where its skip/SAGE request cannot pay off (measured
+    rules, :mod:`diffusers_trtllm.policy`); an explicit per-role setting, or ``policy="always"``,
+    is honoured on every call.
     """
 
     def __init__(
@@ -193,6 +205,7 @@ class TrtllmAttnProcessor:
         fallback: str | None = None,
         roles: Mapping[str, Any] | None = None,
         collect_stats: bool = False,
+        policy: str = "auto",
     ) -> None:
         base = {
             "skip_softmax_threshold": skip_softmax_threshold,
@@ -201,6 +214,7 @@ class TrtllmAttnProcessor:
             "quant": quant,
             "backend": backend,
             "fallback": fallback,
+            "policy": policy,
         }
         _patch_diffusers()
         roles = dict(roles or {})
@@ -305,7 +319,7 @@ class TrtllmAttnProcessor:
                 )
             if skip.target_sparsity is not None:
                 skip = skip.with_calibration(cal.a, cal.b)
-        return _Settings(skip, settings.quant, settings.backend, settings.fallback)
+        return replace(settings, skip=skip)
 
     # ---- serving one call (inside the custom op) ----------------------------------------
     def _layout(self, state: LayerState, query, key, attn_mask, mask_source) -> PackedLayout:
@@ -348,18 +362,16 @@ class TrtllmAttnProcessor:
         out, result = run_attention(
             query, key, value, layout=layout, softmax_scale=scale, skip=skip, quant=quant, timestep=t,
             backend=settings.backend, fallback=settings.fallback, role=state.role, collect_stats=self.collect_stats,
+            policy=settings.policy,
         )
-        caps = get_route(result.route).caps
-        sparse = caps.skip_softmax and resolve_skip_factor(skip, layout.max_seqlen_kv, t, state.role) is not None
-        sage = bool(caps.sage_dtypes) and resolve_quant(quant, layout, state.role) is not None
-        self._record(state, t, result.route, sparse, sage, result)
+        self._record(state, t, result.route, result.sparse, result.sage, result)
         return out
 
     def _record(self, state: LayerState, t, route: str, sparse: bool, sage: bool, result) -> None:
         self._calls_in_step += 1
         state.records.append(StepRecord(
             self.step, t, route, sparse, sage,
-            getattr(result, "skipped_tiles", None), getattr(result, "total_tiles", None),
+            getattr(result, "skipped_tiles", None), getattr(result, "total_tiles", None), getattr(result, "note", None),
         ))
 
     # ---- timestep ------------------------------------------------------------------------
@@ -411,11 +423,14 @@ class TrtllmAttnProcessor:
         for state in self.layers:
             for r in state.records:
                 row = steps.setdefault(r.step, {"step": r.step, "t": r.t, "sparse_calls": 0, "calls": 0,
-                                                "skipped": 0, "tiles": 0, "sage": False, "routes": set()})
+                                                "skipped": 0, "tiles": 0, "sage": False, "routes": set(),
+                                                "notes": set()})
                 row["calls"] += 1
                 row["sparse_calls"] += int(r.sparse)
                 row["sage"] |= r.sage
                 row["routes"].add(r.route)
+                if r.note:
+                    row["notes"].add(f"{state.role}: {r.note}")
                 if r.total_tiles:
                     row["skipped"] += r.skipped_tiles
                     row["tiles"] += r.total_tiles
@@ -431,6 +446,7 @@ class TrtllmAttnProcessor:
                 "skipped_fraction": row["skipped"] / row["tiles"] if row["tiles"] else None,
                 "sage": row["sage"],
                 "routes": ",".join(sorted(row["routes"])),
+                "policy": "; ".join(sorted(row["notes"])),
             })
         return table
 
@@ -439,7 +455,8 @@ class TrtllmAttnProcessor:
         for row in self.step_table():
             t = "   n/a" if row["t"] is None else f"{row['t']:6.3f}"
             skipped = "    n/a" if row["skipped_fraction"] is None else f"{row['skipped_fraction']:7.1%}"
-            lines.append(f"{row['step']:>4}  {t}  {row['mode']:<9}  {skipped}  {'on' if row['sage'] else 'off':<4}  {row['routes']}")
+            policy = f"  ({row['policy']})" if row["policy"] else ""
+            lines.append(f"{row['step']:>4}  {t}  {row['mode']:<9}  {skipped}  {'on' if row['sage'] else 'off':<4}  {row['routes']}{policy}")
         return "\n".join(lines)
 
     def __repr__(self) -> str:

@@ -68,6 +68,10 @@ class AttentionResult:
     route: str
     skipped_tiles: int | None = None
     total_tiles: int | None = None
+    #: What ran (``run_attention`` fills these in): skip-softmax on, SAGE on, and what the policy dropped.
+    sparse: bool = False
+    sage: bool = False
+    note: str | None = None
 
     @property
     def skipped_fraction(self) -> float | None:

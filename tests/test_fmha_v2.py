@@ -104,7 +104,7 @@ def test_dense_order_on_sm90_follows_the_measured_table(monkeypatch):
     monkeypatch.setattr(_dense_order, "device_sm", lambda device: 90)
     monkeypatch.setattr(fmha_v2, "device_sm", lambda device: 90)
     for (dim, bucket), order in _dense_order.SM90_DENSE_ORDER.items():
-        tokens = 1024 if bucket == "short" else _dense_order.LONG_KV + 64
+        tokens = {"text": 512, "short": 4096, "long": _dense_order.LONG_KV + 64}[bucket]
         call = _call(dim=dim, tokens=tokens)
         ranked = sorted(order, key=lambda name: get_route(name).priority(call))
         assert tuple(ranked) == order

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 from ..routes import AttentionCall, device_sm
 
-__all__ = ["SM90_DENSE_ORDER", "kv_bucket", "dense_priority", "MeasuredDenseOrder", "PREFERRED"]
+__all__ = ["SM90_DENSE_ORDER", "TEXT_KV", "LONG_KV", "kv_bucket", "dense_priority", "MeasuredDenseOrder", "PREFERRED"]
 
 #: Priority given to a route chosen by this table: ahead of every default position.
 PREFERRED = -100.0
 
+#: KV lengths up to this many tokens count as "text" (cross-attention to a prompt's tokens).
+TEXT_KV = 1024
 #: KV lengths up to this many tokens count as "short" (images), longer as "long" (video).
 LONG_KV = 16384
 
@@ -23,8 +25,11 @@ LONG_KV = 16384
 #: (benchmarks/results/bench_h200.md; speed vs cuDNN, bf16, one run each):
 #: - D=64 short (sd3_1024): fmha-v2 1.10, fa3 1.08, cuDNN 1.00 (an earlier run: 1.12, 1.12, 1.00);
 #: - D=128 short (flux_1024, qwen_image_1328): fa3 0.95-1.18, cuDNN 0.99-1.04, fmha-v2 0.88-0.96;
-#: - D=128 long (the Wan shapes): fa3 1.11-1.16, cuDNN 1.00, fmha-v2 1.00-1.01.
+#: - D=128 long (the Wan shapes): fa3 1.11-1.16, cuDNN 1.00, fmha-v2 1.00-1.01;
+#: - D=128 text (Wan-14B cross-attention, 32,760 queries x 512 keys; benchmarks/results/hopper_h200.md):
+#:   cuDNN 1.00, fa3 0.77 (fmha-v2 cannot serve unequal query and key counts).
 SM90_DENSE_ORDER: dict[tuple[int, str], tuple[str, ...]] = {
+    (128, "text"): ("sdpa", "fa3", "fmha-v2"),
     (64, "short"): ("fmha-v2", "fa3", "sdpa"),
     (128, "short"): ("fa3", "sdpa", "fmha-v2"),
     (128, "long"): ("fa3", "sdpa", "fmha-v2"),
@@ -32,7 +37,7 @@ SM90_DENSE_ORDER: dict[tuple[int, str], tuple[str, ...]] = {
 
 
 def kv_bucket(max_seqlen_kv: int) -> str:
-    return "short" if max_seqlen_kv <= LONG_KV else "long"
+    return "text" if max_seqlen_kv <= TEXT_KV else "short" if max_seqlen_kv <= LONG_KV else "long"
 
 
 def dense_priority(call: AttentionCall, route_name: str) -> float | None:

@@ -1,0 +1,89 @@
+"""CPU tests of the "never slower by default" policy: what it drops, where, and what the step table says."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tiny_models
+from diffusers_trtllm import SkipSoftmaxConfig, TrtllmAttnProcessor, run_attention
+from diffusers_trtllm import policy as policy_mod
+from diffusers_trtllm.config import QuantConfig
+from diffusers_trtllm.layout import PackedLayout
+from diffusers_trtllm.routes import AttentionCall
+
+INT8 = QuantConfig(dtype_qk="int8")
+
+
+def _call(kv: int, skip: float | None = 1.0, quant: QuantConfig | None = INT8) -> AttentionCall:
+    q, k = torch.zeros(64, 1, 64), torch.zeros(kv, 1, 64)
+    return AttentionCall(q, k, k, PackedLayout.dense(1, 64, kv, "cpu"), 0.1, skip_factor=skip, quant=quant)
+
+
+@pytest.fixture
+def on_gpu(monkeypatch):
+    """Pretend the call runs on a GPU of the SM the test sets (the rules speak of GPU kernels)."""
+    monkeypatch.setattr(policy_mod, "_measured_device", lambda device: True)
+
+    def set_sm(sm: int) -> None:
+        monkeypatch.setattr(policy_mod, "device_sm", lambda device: sm)
+
+    set_sm(90)
+    return set_sm
+
+
+def test_short_kv_runs_without_skip_and_sage_on_sm90(on_gpu):
+    decision = policy_mod.apply_policy(_call(512))
+    assert decision.call.skip_factor is None and decision.call.quant is None
+    assert "512 keys <= 1024" in decision.note and "SAGE off" in decision.note
+
+
+def test_sage_needs_a_long_kv_on_sm90_only(on_gpu):
+    image = policy_mod.apply_policy(_call(4608))
+    assert image.call.skip_factor == 1.0 and image.call.quant is None and "4608 keys < 16384" in image.note
+    video = policy_mod.apply_policy(_call(32760))
+    assert video.call.skip_factor == 1.0 and video.call.quant == INT8 and video.note is None
+    on_gpu(100)  # not measured on Blackwell: SAGE stays; the short-KV skip rule holds everywhere
+    blackwell = policy_mod.apply_policy(_call(512))
+    assert blackwell.call.quant == INT8 and blackwell.call.skip_factor is None
+
+
+def test_always_and_cpu_honour_the_request(on_gpu):
+    call = _call(512)
+    assert policy_mod.apply_policy(call, "always").call is call
+    with pytest.raises(ValueError, match="policy must be one of"):
+        policy_mod.apply_policy(call, "never")
+
+
+def test_cpu_calls_are_never_changed():
+    call = _call(512)
+    decision = policy_mod.apply_policy(call)
+    assert decision.call is call and decision.note is None
+
+
+def test_run_attention_reports_what_ran(on_gpu):
+    q = torch.randn(1, 64, 2, 64)
+    k = torch.randn(1, 512, 2, 64)
+    _, result = run_attention(q, k, k, backend="reference")
+    assert not result.sparse and not result.sage and result.note is None
+    _, result = run_attention(q, k, k, skip=SkipSoftmaxConfig(threshold=0.1), quant=INT8, backend="reference")
+    assert not result.sparse and not result.sage and "skip-softmax off" in result.note
+    _, result = run_attention(q, k, k, skip=SkipSoftmaxConfig(threshold=0.1), backend="reference", policy="always")
+    assert result.sparse and result.note is None
+
+
+def test_processor_records_the_policy_and_honours_explicit_roles(on_gpu):
+    model, inputs = tiny_models.build("flux")
+    proc = TrtllmAttnProcessor(skip_softmax_threshold=0.1, backend="reference", roles={"joint": {"quant": None}})
+    model.set_attn_processor(proc)
+    with torch.no_grad():
+        model(**inputs)
+    by_role = {}
+    for state in proc.layers:
+        for record in state.records:
+            by_role.setdefault(state.role, []).append(record)
+    assert all(r.sparse and r.note is None for r in by_role["joint"])  # explicit: honoured on 24 keys
+    assert all(not r.sparse and "skip-softmax off" in r.note for r in by_role["self"])
+    assert "skip-softmax off" in proc.format_step_table()
+    with pytest.raises(ValueError, match="policy must be one of"):
+        TrtllmAttnProcessor(policy="sometimes")
