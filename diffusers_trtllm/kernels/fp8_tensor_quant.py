@@ -12,8 +12,9 @@ per-block fp8 (docs/design.md, "fp8 on FMHAv2"):
   kernel computes ``P·v'`` with rows of P summing to one, so
   ``out = (P·v') * scale + mean`` restores it (``restore_output``).
 
-The scales stay on the device except the Q and K amax, which ``bmm1_scale`` needs
-on the host: one small device-to-host copy per call.
+The scales stay on the device; only their product for Q and K, which ``bmm1_scale``
+needs on the host, is copied back, after the quantizer is queued, so the GPU waits
+only for the attention kernel's launch.
 """
 
 from __future__ import annotations
@@ -44,31 +45,27 @@ def _centered_amax(x: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
     return torch.maximum(hi.float() - mean, mean - lo.float())
 
 
-def _reductions(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[float, float, torch.Tensor, torch.Tensor, torch.Tensor]:
-    k_mean = k.mean(dim=0, dtype=torch.float32)
-    v_mean = v.mean(dim=0, dtype=torch.float32)
-    v_scale = _centered_amax(v, v_mean).clamp_min(AMAX_FLOOR) / FP8_MAX
-    q_lo, q_hi = torch.aminmax(q)
-    amax = torch.stack([torch.maximum(-q_lo.float(), q_hi.float()), _centered_amax(k, k_mean).max()])
-    q_amax, k_amax = (max(a, AMAX_FLOOR) for a in amax.tolist())  # the one host sync
-    return q_amax / FP8_MAX, k_amax / FP8_MAX, k_mean, v_mean, v_scale
-
-
 def _to_fp8(x: torch.Tensor) -> torch.Tensor:
     return x.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
 
 def quantize_fp8_per_tensor(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Fp8TensorQuant:
     """Quantize packed ``[tokens, heads, dim]`` Q, K, V; one fused Triton pass on CUDA, torch elsewhere."""
-    q_scale, k_scale, k_mean, v_mean, v_scale = _reductions(q, k, v)
+    k_mean = k.mean(dim=0, dtype=torch.float32)
+    v_mean = v.mean(dim=0, dtype=torch.float32)
+    v_scale = _centered_amax(v, v_mean).clamp_min(AMAX_FLOOR) / FP8_MAX  # [kv_heads, dim]
+    q_lo, q_hi = torch.aminmax(q)
+    amax = torch.stack([torch.maximum(-q_lo.float(), q_hi.float()), _centered_amax(k, k_mean).max()])
+    qk_scales = amax.clamp_min(AMAX_FLOOR) / FP8_MAX  # [scale_q, scale_k], on the device
     tokens_kv, kv_heads, dim = k.shape
     if q.device.type == "cuda" and _triton_kernel is not None:
         q8 = torch.empty(q.shape, dtype=torch.float8_e4m3fn, device=q.device)
         kv8 = torch.empty(tokens_kv, 2, kv_heads, dim, dtype=torch.float8_e4m3fn, device=q.device)
-        _launch(q, k, v, q8, kv8, 1.0 / q_scale, 1.0 / k_scale, k_mean, v_mean, v_scale)
+        _launch(q, k, v, q8, kv8, qk_scales, k_mean, v_mean, v_scale)
     else:
-        q8 = _to_fp8(q.float() / q_scale)
-        kv8 = torch.stack([_to_fp8((k.float() - k_mean) / k_scale), _to_fp8((v.float() - v_mean) / v_scale)], dim=1)
+        q8 = _to_fp8(q.float() / qk_scales[0])
+        kv8 = torch.stack([_to_fp8((k.float() - k_mean) / qk_scales[1]), _to_fp8((v.float() - v_mean) / v_scale)], dim=1)
+    q_scale, k_scale = qk_scales.tolist()  # the one host sync, with the quantizer already queued
     return Fp8TensorQuant(q8, kv8, q_scale * k_scale, v_scale, v_mean)
 
 
@@ -89,8 +86,8 @@ else:
 
     @triton.jit
     def _triton_kernel(
-        q_ptr, k_ptr, v_ptr, qo_ptr, kvo_ptr, k_mean_ptr, v_mean_ptr, v_scale_ptr,
-        inv_q_scale, inv_k_scale, tokens_q, tokens_kv,
+        q_ptr, k_ptr, v_ptr, qo_ptr, kvo_ptr, qk_scale_ptr, k_mean_ptr, v_mean_ptr, v_scale_ptr,
+        tokens_q, tokens_kv,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
         H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
     ):
@@ -100,13 +97,13 @@ else:
         dims = tl.arange(0, D)
         q_ok = tok < tokens_q
         q = tl.load(q_ptr + tok[:, None] * stride_qt + head * stride_qh + dims[None, :], mask=q_ok[:, None], other=0.0)
-        q = tl.clamp(q.to(tl.float32) * inv_q_scale, -448.0, 448.0)
+        q = tl.clamp(q.to(tl.float32) / tl.load(qk_scale_ptr), -448.0, 448.0)
         tl.store(qo_ptr + tok[:, None] * (H * D) + head * D + dims[None, :], q.to(tl.float8e4nv), mask=q_ok[:, None])
         if head < HKV:
             kv_ok = tok < tokens_kv
             out = kvo_ptr + tok[:, None] * (2 * HKV * D) + head * D + dims[None, :]
             k = tl.load(k_ptr + tok[:, None] * stride_kt + head * stride_kh + dims[None, :], mask=kv_ok[:, None], other=0.0)
-            k = (k.to(tl.float32) - tl.load(k_mean_ptr + head * D + dims)[None, :]) * inv_k_scale
+            k = (k.to(tl.float32) - tl.load(k_mean_ptr + head * D + dims)[None, :]) / tl.load(qk_scale_ptr + 1)
             tl.store(out, tl.clamp(k, -448.0, 448.0).to(tl.float8e4nv), mask=kv_ok[:, None])
             v = tl.load(v_ptr + tok[:, None] * stride_vt + head * stride_vh + dims[None, :], mask=kv_ok[:, None], other=0.0)
             v = (v.to(tl.float32) - tl.load(v_mean_ptr + head * D + dims)[None, :]) / tl.load(v_scale_ptr + head * D + dims)[None, :]
@@ -117,13 +114,13 @@ else:
 _BLOCK_T = 64
 
 
-def _launch(q, k, v, q8, kv8, inv_q_scale, inv_k_scale, k_mean, v_mean, v_scale) -> None:
+def _launch(q, k, v, q8, kv8, qk_scales, k_mean, v_mean, v_scale) -> None:
     tokens_q, heads, dim = q.shape
     tokens_kv, kv_heads, _ = k.shape
     grid = (triton.cdiv(max(tokens_q, tokens_kv), _BLOCK_T), heads)
     _triton_kernel[grid](
-        q, k, v, q8, kv8, k_mean, v_mean, v_scale,
-        inv_q_scale, inv_k_scale, tokens_q, tokens_kv,
+        q, k, v, q8, kv8, qk_scales, k_mean, v_mean, v_scale,
+        tokens_q, tokens_kv,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         H=heads, HKV=kv_heads, D=dim, BLOCK_T=_BLOCK_T, num_warps=4,
     )
