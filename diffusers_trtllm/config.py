@@ -46,9 +46,10 @@ def unknown_keys_message(where: str, unknown: Iterable[str], allowed: Iterable[s
     return f"{where} has unknown {what} {', '.join(parts)}; allowed: {', '.join(allowed)}."
 
 
-def check_mapping(name: str, value: Any) -> Mapping[str, Any]:
+def check_mapping(name: str, value: Any, example: str) -> Mapping[str, Any]:
+    """``value`` if it is a dict, else a ``ControlTypeError`` showing ``example``."""
     if not isinstance(value, Mapping):
-        raise ControlTypeError(f"{name} must be a dict; got {value!r} ({type(value).__name__}).")
+        raise ControlTypeError(f"{name} must be a dict like {example}; got {value!r} ({type(value).__name__}).")
     return value
 
 #: Quantized dtypes SAGE accepts for Q and K, by their configuration name.

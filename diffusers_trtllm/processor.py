@@ -216,7 +216,7 @@ class TrtllmAttnProcessor:
             "policy": policy,
         }
         _patch_diffusers()
-        roles = dict(check_mapping("roles", roles or {}))
+        roles = dict(check_mapping("roles", roles or {}, "{'cross': 'dense', 'joint': {'quant': None}}"))
         unknown = set(roles) - set(ROLES)
         if unknown:
             raise ValueError(unknown_keys_message("roles", unknown, ROLES, what="roles"))

@@ -142,7 +142,7 @@ def _transformers(target: Any) -> list[torch.nn.Module]:
     found = [getattr(target, a, None) for a in _TRANSFORMER_ATTRS]
     found = [m for m in found if isinstance(m, torch.nn.Module)]
     if not found:
-        raise ValueError(
+        raise ControlTypeError(
             f"{type(target).__name__} has no transformer to track (looked for {', '.join(_TRANSFORMER_ATTRS)}); "
             "pass a pipeline or a transformer module."
         )
