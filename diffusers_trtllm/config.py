@@ -144,10 +144,11 @@ class SkipSoftmaxConfig:
     def from_kwargs(cls, kwargs: Mapping[str, Any] | None) -> "SkipSoftmaxConfig":
         """Build from vLLM-Omni style ``backend_kwargs`` (unknown keys are ignored here)."""
         kw = kwargs or {}
+        dut = kw.get("disabled_until_timestep")
         return cls(
             threshold=kw.get("skip_softmax_threshold"),
             target_sparsity=kw.get("target_sparsity"),
-            disabled_until_timestep=kw.get("disabled_until_timestep", 0.0) or 0.0,
+            disabled_until_timestep=0.0 if dut is None else dut,
         )
 
     @classmethod
