@@ -84,13 +84,13 @@ class PackedLayout:
         lens = {name: c for (name, _, _), c in zip(masks, counts)}
         q_lens = lens.get("q_mask", [q_len] * batch)
         kv_lens = lens.get("kv_mask", [kv_len] * batch)
-        keep = [i for i in range(batch) if q_lens[i] > 0 and kv_lens[i] > 0]
+        keep = [i for i in range(batch) if kv_lens[i] > 0 or q_lens[i] == 0]
         if not keep:
             raise MaskNotSupportedError(
                 "the masks leave no sequence with both a query and a valid key; attention over zero keys has no "
                 "kernel to run (torch's SDPA returns zeros there)."
             )
-        if len(keep) < batch:  # drop sequences without keys (zero output rows) or queries
+        if len(keep) < batch:  # drop sequences with queries but no key: their rows come back as zeros
             rows = torch.zeros(batch, dtype=torch.bool, device=device)
             rows[keep] = True
             q_mask = (q_mask if q_mask is not None else torch.ones(batch, q_len, dtype=torch.bool, device=device)) & rows[:, None]
