@@ -2,8 +2,8 @@
 
 from .attention import attention, run_attention
 from .calibration import load_calibration
-from .config import QuantConfig, SkipSoftmaxConfig
-from .layout import PackedLayout
+from .config import ControlTypeError, QuantConfig, SkipSoftmaxConfig
+from .layout import MaskNotSupportedError, PackedLayout
 from .processor import TrtllmAttnProcessor
 from .routes import NoRouteError, route_names
 from .timestep import DenoiseStepCallback, attach_denoise_tracking, detach_denoise_tracking
@@ -16,6 +16,8 @@ __all__ = [
     "QuantConfig",
     "SkipSoftmaxConfig",
     "PackedLayout",
+    "ControlTypeError",
+    "MaskNotSupportedError",
     "NoRouteError",
     "route_names",
     "TrtllmAttnProcessor",

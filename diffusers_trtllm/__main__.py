@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from diffusers.callbacks import PipelineCallback
 
-from . import TrtllmAttnProcessor, attach_denoise_tracking, load_calibration
+from . import SkipSoftmaxConfig, TrtllmAttnProcessor, attach_denoise_tracking, load_calibration
 from .bench.timing import cosine, rel_l1
 
 _DEMO_PROMPT_TOKENS = 8
@@ -206,28 +206,65 @@ def run_model(args: argparse.Namespace) -> None:
     print(f"saved {path}")
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Shows defaults and keeps the module docstring's line breaks."""
+
+
+def _checked(convert: Any, check: Any) -> Any:
+    """An argparse ``type``: ``convert`` the text, then ``check`` it with the library's own validation."""
+
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {'an integer' if convert is int else 'a number'}; got {text!r}") from None
+        try:
+            check(value)
+        except (TypeError, ValueError) as err:
+            raise argparse.ArgumentTypeError(str(err).split("; got")[0] + f"; got {text!r}") from None
+        return value
+
+    parse.__name__ = convert.__name__  # argparse names the type in its messages
+    return parse
+
+
+def _positive(value: int) -> None:
+    if value < 1:
+        raise ValueError("must be >= 1")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m diffusers_trtllm", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    from .routes import route_names
+
+    p = argparse.ArgumentParser(prog="python -m diffusers_trtllm", description=__doc__, formatter_class=_HelpFormatter)
     p.add_argument("--model", help="Hugging Face model id or path (GPU); omit for the offline CPU demo")
-    p.add_argument("--prompt", default="A cat holding a sign that says hello world")
-    p.add_argument("--steps", type=int, default=None, help="denoising steps (demo: 8, model: 28)")
-    p.add_argument("--threshold", type=float, default=0.2, help="skip_softmax_threshold (lambda)")
-    p.add_argument("--target-sparsity", type=float, default=None, help="instead of --threshold; needs a calibration")
-    p.add_argument("--calibration", default=None, help="sparse_attention_config JSON (default: the model's config)")
-    p.add_argument("--disabled-until-timestep", type=float, default=0.7, help="dense while t is above this")
+    p.add_argument("--prompt", default="A cat holding a sign that says hello world", help="with --model")
+    p.add_argument("--steps", type=_checked(int, _positive), default=None,
+                   help="denoising steps (None: 8 for the demo, 28 with --model)")
+    p.add_argument("--threshold", type=_checked(float, lambda v: SkipSoftmaxConfig(threshold=v)), default=0.2,
+                   help="skip_softmax_threshold (lambda), in [0, 1)")
+    p.add_argument("--target-sparsity", type=_checked(float, lambda v: SkipSoftmaxConfig(target_sparsity=v)),
+                   default=None, help="in [0, 1], instead of --threshold; needs a calibration")
+    p.add_argument("--calibration", default=None,
+                   help="sparse_attention_config JSON file or model directory (None: the model's own config)")
+    p.add_argument("--disabled-until-timestep", default=0.7,
+                   type=_checked(float, lambda v: SkipSoftmaxConfig(disabled_until_timestep=v)),
+                   help="normalized timestep in [0, 1]: dense while t is above this")
     p.add_argument("--quant", choices=["int8", "fp8_e4m3", "none"], default="int8", help="SAGE dtype for Q/K")
-    p.add_argument("--backend", default="auto", help="route name or auto (demo: auto means reference)")
+    p.add_argument("--backend", choices=["auto", *route_names()], default="auto",
+                   help="route name or auto (demo: auto means reference)")
     p.add_argument("--fallback", choices=["dense"], default=None, help="run dense what no route can honour")
-    p.add_argument("--height", type=int, default=None)
-    p.add_argument("--width", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--height", type=_checked(int, _positive), default=None, help="with --model (None: the pipeline's)")
+    p.add_argument("--width", type=_checked(int, _positive), default=None, help="with --model (None: the pipeline's)")
+    p.add_argument("--seed", type=_checked(int, lambda v: None), default=0, help="random seed")
     p.add_argument("--compare", action="store_true", help="with --model: also run dense and save both")
     p.add_argument("--collect-stats", action="store_true", help="ask GPU routes for skipped-tile counts")
     p.add_argument("--out", default="outputs", help="output directory")
     args = p.parse_args(argv)
     if args.steps is None:
         args.steps = 28 if args.model else 8
+    if args.calibration is not None and not os.path.exists(args.calibration):
+        p.error(f"argument --calibration: {args.calibration!r} does not exist")
     return args
 
 

@@ -4,28 +4,31 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from typing import Any, Mapping
 
 import torch
 
 from ._logging import warn_once
-from .config import QuantConfig, SkipSoftmaxConfig
+from .config import ControlTypeError, QuantConfig, SkipSoftmaxConfig
 from .layout import LayoutCache, PackedLayout, key_padding_mask
 from .policy import apply_policy
 from .routes import AttentionCall, AttentionResult, NoRouteError, get_route, select_route
 
-__all__ = ["attention", "run_attention", "resolve_skip_factor", "resolve_quant", "build_layout", "check_route_choice"]
+__all__ = ["attention", "run_attention", "check_tensors", "resolve_skip_factor", "resolve_quant", "build_layout", "check_route_choice"]
 
 FALLBACKS = (None, "dense")
 
 
 def check_route_choice(backend: str, fallback: str | None, where: str = "") -> None:
     """Reject an unknown ``backend`` or ``fallback`` before any work; ``where`` names the setting's owner."""
+    if not isinstance(backend, str):
+        raise ControlTypeError(f"backend must be a route name or 'auto'; got {backend!r} ({type(backend).__name__}){where}.")
     if backend != "auto":
         try:
             get_route(backend)
         except ValueError as err:
             raise ValueError(f"{str(err).rstrip('.')}{where}.") from None
-    if fallback not in FALLBACKS:
+    if not (fallback is None or isinstance(fallback, str)) or fallback not in FALLBACKS:
         raise ValueError(f"fallback must be None or 'dense'; got {fallback!r}{where}.")
 
 
@@ -102,6 +105,45 @@ def _check_layout(layout: PackedLayout, query: torch.Tensor, key: torch.Tensor) 
             )
 
 
+def check_tensors(query: Any, key: Any, value: Any) -> None:
+    """Q, K, V must be ``[batch, tokens, heads, head_dim]`` tensors of one floating dtype on one device."""
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(x, torch.Tensor):
+            raise ControlTypeError(f"{name} must be a torch.Tensor; got {type(x).__name__}.")
+    if query.ndim != 4 or key.ndim != 4 or value.ndim != 4:
+        raise ValueError(
+            "query, key and value must be [batch, tokens, heads, head_dim]; got shapes "
+            f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}."
+        )
+    if not (query.dtype == key.dtype == value.dtype) or not query.is_floating_point():
+        raise ValueError(
+            f"query, key and value must share one floating dtype (float16, bfloat16 or float32); got "
+            f"{query.dtype}, {key.dtype}, {value.dtype}. Cast them to one dtype first."
+        )
+    if not (query.device == key.device == value.device):
+        raise ValueError(f"query, key and value must be on one device; got {query.device}, {key.device}, {value.device}.")
+    if key.shape[:3] != value.shape[:3] or query.shape[0] != key.shape[0] or query.shape[-1] != key.shape[-1]:
+        raise ValueError(
+            f"query {tuple(query.shape)}, key {tuple(key.shape)} and value {tuple(value.shape)} do not agree "
+            "(same batch; key and value same tokens and heads; query and key same head_dim)."
+        )
+    if query.shape[2] % key.shape[2]:
+        raise ValueError(f"query heads ({query.shape[2]}) must be a multiple of key heads ({key.shape[2]}).")
+
+
+def _check_scalars(softmax_scale: Any, timestep: Any) -> None:
+    if softmax_scale is not None:
+        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+            raise ControlTypeError(f"softmax_scale must be a number or None; got {softmax_scale!r} ({type(softmax_scale).__name__}).")
+        if not (math.isfinite(softmax_scale) and softmax_scale > 0):
+            raise ValueError(f"softmax_scale must be finite and > 0 (None: 1/sqrt(head_dim)); got {softmax_scale!r}.")
+    if timestep is not None:
+        if isinstance(timestep, bool) or not isinstance(timestep, (int, float)):
+            raise ControlTypeError(f"timestep must be a number in [0, 1] or None; got {timestep!r} ({type(timestep).__name__}).")
+        if not 0.0 <= timestep <= 1.0:
+            raise ValueError(f"timestep must be the normalized denoising timestep in [0, 1]; got {timestep!r}.")
+
+
 def run_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -110,8 +152,8 @@ def run_attention(
     attn_mask: torch.Tensor | None = None,
     layout: PackedLayout | None = None,
     softmax_scale: float | None = None,
-    skip: SkipSoftmaxConfig | None = None,
-    quant: QuantConfig | dict | None = None,
+    skip: SkipSoftmaxConfig | Mapping[str, Any] | float | None = None,
+    quant: QuantConfig | Mapping[str, Any] | str | None = None,
     timestep: float | None = None,
     backend: str = "auto",
     fallback: str | None = None,
@@ -124,27 +166,20 @@ def run_attention(
 
     ``policy="auto"`` runs dense where skip-softmax or SAGE cannot pay off on this call
     (``policy.apply_policy``: measured rules, CUDA only); ``"always"`` honours the request.
+    ``skip`` and ``quant`` take every form ``SkipSoftmaxConfig.coerce`` / ``QuantConfig.coerce``
+    accept (a threshold or a dict; a dtype name or a dict).
     """
     check_route_choice(backend, fallback)
-    if query.ndim != 4 or key.ndim != 4 or value.ndim != 4:
-        raise ValueError(
-            "query, key and value must be [batch, tokens, heads, head_dim]; got shapes "
-            f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}."
-        )
-    if key.shape[:3] != value.shape[:3] or query.shape[0] != key.shape[0] or query.shape[-1] != key.shape[-1]:
-        raise ValueError(
-            f"query {tuple(query.shape)}, key {tuple(key.shape)} and value {tuple(value.shape)} do not agree "
-            "(same batch; key and value same tokens and heads; query and key same head_dim)."
-        )
-    if query.shape[2] % key.shape[2]:
-        raise ValueError(f"query heads ({query.shape[2]}) must be a multiple of key heads ({key.shape[2]}).")
+    check_tensors(query, key, value)
+    _check_scalars(softmax_scale, timestep)
+    skip = SkipSoftmaxConfig.coerce(skip)
+    quant = QuantConfig.coerce(quant)
     if layout is not None and attn_mask is not None:
         raise ValueError("pass attn_mask or layout, not both.")
     if layout is None:
         layout = build_layout(query, key, attn_mask, layout_cache)
     else:
         _check_layout(layout, query, key)
-    quant = QuantConfig.from_kwargs(quant) if isinstance(quant, dict) else quant
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(query.shape[-1])
     call = AttentionCall(
         q=layout.pack_q(query),

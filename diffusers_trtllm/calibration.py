@@ -31,6 +31,8 @@ from typing import Any, Mapping
 
 import torch
 
+from ._logging import warn_once
+from .config import ControlTypeError, check_curve, unknown_keys_message
 from .processor import Calibration, LayerState
 
 __all__ = ["CalibrationGroup", "parse_sparse_attention_config", "read_calibration", "load_calibration", "FORMULAS"]
@@ -41,6 +43,17 @@ FORMULAS = {
     "exp(log_a+b*target_sparsity)": "log_a",
 }
 _TRANSFORMER_ATTRS = ("transformer", "transformer_2")
+#: Keys this loader reads; others are reported (with the closest known key) and ignored.
+_GROUP_KEYS = ("algorithm", "threshold_scale_factor", "target_sparsity", "disabled_until_timestep", "ignore", "targets")
+_CURVE_KEYS = ("formula", "coefficients", "prefill")
+_CONFIG_KEYS = ("config_groups",)
+
+
+def _warn_unknown(where: str, found: Mapping[str, Any], known: tuple[str, ...]) -> None:
+    unknown = set(map(str, found)) - set(known)
+    if unknown:
+        warn_once(("calibration-keys", where, frozenset(unknown)), "%s (ignored)",
+                  unknown_keys_message(where, unknown, known))
 
 
 @dataclass(frozen=True)
@@ -63,17 +76,22 @@ class CalibrationGroup:
 
 
 def _number(group: str, key: str, value: Any, lo: float | None = None, hi: float | None = None) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"sparse_attention_config group {group!r}: {key} must be a finite number; got {value!r}.")
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
-        raise ValueError(f"sparse_attention_config group {group!r}: {key} must be in [{lo}, {hi}]; got {value!r}.")
-    return float(value)
+    try:
+        number = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+    except OverflowError:  # an integer beyond float range
+        number = math.inf
+    if not math.isfinite(number):
+        raise ValueError(f"sparse_attention_config group {group!r}: {key} must be a finite number; got {value!r:.40}.")
+    if (lo is not None and number < lo) or (hi is not None and number > hi):
+        allowed = f"in [{lo}, {hi}]" if lo is not None and hi is not None else f">= {lo}" if lo is not None else f"<= {hi}"
+        raise ValueError(f"sparse_attention_config group {group!r}: {key} must be {allowed}; got {value!r}.")
+    return number
 
 
 def _patterns(group: str, key: str, value: Any, default: tuple[str, ...]) -> tuple[str, ...]:
     if value is None:
         return default
-    if isinstance(value, str) or not all(isinstance(p, str) for p in value):
+    if not isinstance(value, (list, tuple)) or not all(isinstance(p, str) for p in value):
         raise ValueError(f"sparse_attention_config group {group!r}: {key} must be a list of fnmatch patterns; got {value!r}.")
     return tuple(value)
 
@@ -81,6 +99,7 @@ def _patterns(group: str, key: str, value: Any, default: tuple[str, ...]) -> tup
 def _parse_group(name: str, group: Any) -> CalibrationGroup:
     if not isinstance(group, Mapping):
         raise ValueError(f"sparse_attention_config group {name!r} must be an object; got {type(group).__name__}.")
+    _warn_unknown(f"sparse_attention_config group {name!r}", group, _GROUP_KEYS)
     algorithm = group.get("algorithm", "skip_softmax")
     if algorithm != "skip_softmax":
         raise ValueError(
@@ -93,6 +112,7 @@ def _parse_group(name: str, group: Any) -> CalibrationGroup:
             f"sparse_attention_config group {name!r} has no threshold_scale_factor object "
             '({"formula": ..., "coefficients": {...}}); add one or drop the group.'
         )
+    _warn_unknown(f"sparse_attention_config group {name!r} threshold_scale_factor", tsf, _CURVE_KEYS)
     formula = str(tsf.get("formula", "")).replace(" ", "")
     if formula not in FORMULAS:
         raise ValueError(
@@ -109,10 +129,10 @@ def _parse_group(name: str, group: Any) -> CalibrationGroup:
     b = _number(name, "b", coeffs["b"])
     if scale_key == "a":
         a = _number(name, "a", coeffs["a"])
-        if a <= 0:
-            raise ValueError(f"sparse_attention_config group {name!r}: a must be > 0; got {a!r}.")
     else:
-        a = math.exp(_number(name, "log_a", coeffs["log_a"]))
+        log_a = _number(name, "log_a", coeffs["log_a"], hi=700.0)  # exp(700) ~ 1e304: beyond it overflows
+        a = math.exp(log_a)
+    check_curve(f"sparse_attention_config group {name!r}", a, b)
     ts, dut = group.get("target_sparsity"), group.get("disabled_until_timestep")
     return CalibrationGroup(
         name=name,
@@ -127,8 +147,10 @@ def _parse_group(name: str, group: Any) -> CalibrationGroup:
 
 def parse_sparse_attention_config(config: Mapping[str, Any]) -> list[CalibrationGroup]:
     """Validate a ``sparse_attention_config`` object (or a dict holding one) into groups."""
-    if "sparse_attention_config" in config:
+    if isinstance(config, Mapping) and "sparse_attention_config" in config:
         config = config["sparse_attention_config"]
+    if isinstance(config, Mapping):
+        _warn_unknown("sparse_attention_config", config, _CONFIG_KEYS)
     groups = config.get("config_groups") if isinstance(config, Mapping) else None
     if not isinstance(groups, Mapping) or not groups:
         raise ValueError(
@@ -139,16 +161,34 @@ def parse_sparse_attention_config(config: Mapping[str, Any]) -> list[Calibration
 
 
 def read_calibration(source: str | os.PathLike | Mapping[str, Any]) -> Mapping[str, Any]:
-    """A calibration object from a dict, a JSON file, or a model directory's ``config.json``."""
+    """A calibration object from a dict, a JSON file, or a model directory's ``config.json``.
+
+    Every problem with the file (missing, unreadable, not UTF-8 JSON, not an object) raises a
+    ``ValueError`` naming its path.
+    """
     if isinstance(source, Mapping):
         return source
+    if not isinstance(source, (str, os.PathLike)):
+        raise ControlTypeError(
+            "calibration must be a path to a JSON file or model directory, a dict, or None; "
+            f"got {source!r} ({type(source).__name__})."
+        )
     path = os.fspath(source)
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
     if not os.path.isfile(path):
         raise ValueError(f"calibration file {path!r} does not exist; pass a JSON file, a model directory or a dict.")
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            loaded = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"calibration file {path!r} could not be read as UTF-8 JSON: {err}") from err
+    if not isinstance(loaded, Mapping):
+        raise ValueError(
+            f"calibration file {path!r} holds {json.dumps(loaded)[:40]} ({type(loaded).__name__}); expected a JSON "
+            'object with "sparse_attention_config" or "config_groups".'
+        )
+    return loaded
 
 
 def _own_config(transformer: torch.nn.Module) -> Mapping[str, Any] | None:

@@ -2,18 +2,55 @@
 
 The names match vLLM-Omni's ``TRTLLM_ATTN`` backend so a configuration carries
 over unchanged. Every bad value raises ``ValueError`` naming the control, the
-value and the allowed range.
+value and what is allowed; a value of the wrong type raises ``ControlTypeError``
+(a ``TypeError`` that is also a ``ValueError``).
+
+Accepted forms (``SkipSoftmaxConfig.coerce`` / ``QuantConfig.coerce``):
+
+- skip: ``None``, a ``SkipSoftmaxConfig``, a number (the threshold), or a dict with
+  ``threshold`` / ``skip_softmax_threshold``, ``target_sparsity``, ``disabled_until_timestep``.
+- quant: ``None``, a ``QuantConfig``, a dtype name (``"int8"``, ``"fp8_e4m3"``, ``"fp8"``)
+  or ``torch.int8`` / ``torch.float8_e4m3fn``, or a dict with ``dtype_qk``,
+  ``q_block_size``, ``k_block_size``, ``smooth_k``.
+
+``skip_softmax_threshold`` must lie in [0, 1): it is the longest sequence's
+``lambda``, and a tile is skipped when its scores stay below ``lambda`` times the
+running maximum; at ``lambda >= 1`` every tile after the first would go.
 """
 
 from __future__ import annotations
 
+import difflib
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
 
-__all__ = ["SkipSoftmaxConfig", "QuantConfig", "QK_QUANT_DTYPES", "BLOCK_SIZES"]
+__all__ = [
+    "SkipSoftmaxConfig", "QuantConfig", "QK_QUANT_DTYPES", "BLOCK_SIZES", "ControlTypeError", "unknown_keys_message",
+]
+
+
+class ControlTypeError(TypeError, ValueError):
+    """A control got a value of the wrong type (a ``TypeError``; also a ``ValueError`` for callers catching those)."""
+
+
+def unknown_keys_message(where: str, unknown: Iterable[str], allowed: Iterable[str], what: str = "keys") -> str:
+    """``"<where> has unknown keys ..."`` with the closest allowed key for each, and the allowed ones."""
+    allowed = list(allowed)
+    parts = []
+    for key in sorted(map(str, unknown)):
+        close = difflib.get_close_matches(key, allowed, n=1)
+        parts.append(f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key))
+    return f"{where} has unknown {what} {', '.join(parts)}; allowed: {', '.join(allowed)}."
+
+
+def check_mapping(name: str, value: Any, example: str) -> Mapping[str, Any]:
+    """``value`` if it is a dict, else a ``ControlTypeError`` showing ``example``."""
+    if not isinstance(value, Mapping):
+        raise ControlTypeError(f"{name} must be a dict like {example}; got {value!r} ({type(value).__name__}).")
+    return value
 
 #: Quantized dtypes SAGE accepts for Q and K, by their configuration name.
 QK_QUANT_DTYPES: dict[str, torch.dtype] = {
@@ -26,16 +63,50 @@ _DTYPE_ALIASES = {"fp8": "fp8_e4m3", "e4m3": "fp8_e4m3", "float8_e4m3fn": "fp8_e
 BLOCK_SIZES = (1, 4, 16)
 
 
-def _check_range(name: str, value: Any, lo: float, hi: float | None) -> float | None:
+def _dtype_name(dtype_qk: Any) -> str:
+    """The configuration name of a SAGE Q/K dtype given by name, alias or ``torch.dtype``."""
+    if isinstance(dtype_qk, torch.dtype):
+        names = {v: k for k, v in QK_QUANT_DTYPES.items()}
+        if dtype_qk in names:
+            return names[dtype_qk]
+    elif isinstance(dtype_qk, str):
+        name = _DTYPE_ALIASES.get(dtype_qk.lower(), dtype_qk.lower())
+        if name in QK_QUANT_DTYPES:
+            return name
+    else:
+        raise ControlTypeError(
+            f"quant.dtype_qk must be a dtype name ({', '.join(map(repr, QK_QUANT_DTYPES))}) or None; "
+            f"got {dtype_qk!r} ({type(dtype_qk).__name__})."
+        )
+    raise ValueError(
+        f"quant.dtype_qk must be one of {sorted(QK_QUANT_DTYPES)} (or None for no SAGE); "
+        f"got {dtype_qk!r}. float16/bfloat16 are not SAGE dtypes."
+    )
+
+
+def _check_range(name: str, value: Any, lo: float, hi: float | None, hi_open: bool = False) -> float | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a number; got {value!r} ({type(value).__name__}).")
+        raise ControlTypeError(f"{name} must be a number; got {value!r} ({type(value).__name__}).")
     v = float(value)
-    if not math.isfinite(v) or v < lo or (hi is not None and v > hi):
-        allowed = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
+    if not math.isfinite(v) or v < lo or (hi is not None and (v >= hi if hi_open else v > hi)):
+        allowed = f"in [{lo}, {hi}{')' if hi_open else ']'}" if hi is not None else f">= {lo}"
         raise ValueError(f"{name} must be finite and {allowed}; got {value!r}.")
     return v
+
+
+def check_curve(where: str, a: float, b: float) -> None:
+    """The factor ``a * exp(b * target_sparsity)`` must be finite and > 0 for every target_sparsity in [0, 1]."""
+    if a <= 0.0:
+        raise ValueError(f"{where}: a must be > 0; got {a!r}.")
+    if math.log(a) + max(b, 0.0) >= math.log(torch.finfo(torch.float32).max):
+        raise ValueError(
+            f"{where}: a * exp(b * target_sparsity) overflows for target_sparsity in [0, 1] "
+            f"(a={a!r}, b={b!r}); a calibrated curve gives factors of the order of the sequence length."
+        )
+    if a * math.exp(min(b, 0.0)) == 0.0:
+        raise ValueError(f"{where}: a * exp(b * target_sparsity) underflows to 0 at target_sparsity=1 (a={a!r}, b={b!r}).")
 
 
 @dataclass(frozen=True)
@@ -54,7 +125,7 @@ class SkipSoftmaxConfig:
     b: float | None = None
 
     def __post_init__(self) -> None:
-        _check_range("skip_softmax_threshold", self.threshold, 0.0, None)
+        _check_range("skip_softmax_threshold", self.threshold, 0.0, 1.0, hi_open=True)
         _check_range("target_sparsity", self.target_sparsity, 0.0, 1.0)
         _check_range("disabled_until_timestep", self.disabled_until_timestep, 0.0, 1.0)
         _check_range("calibration a", self.a, 0.0, None)
@@ -66,18 +137,44 @@ class SkipSoftmaxConfig:
             )
         if (self.a is None) != (self.b is None):
             raise ValueError(f"calibration needs both a and b; got a={self.a!r}, b={self.b!r}.")
-        if self.a is not None and self.a <= 0.0:
-            raise ValueError(f"calibration a must be > 0; got {self.a!r}.")
+        if self.a is not None:
+            check_curve("calibration", self.a, self.b)
 
     @classmethod
     def from_kwargs(cls, kwargs: Mapping[str, Any] | None) -> "SkipSoftmaxConfig":
         """Build from vLLM-Omni style ``backend_kwargs`` (unknown keys are ignored here)."""
         kw = kwargs or {}
+        dut = kw.get("disabled_until_timestep")
         return cls(
             threshold=kw.get("skip_softmax_threshold"),
             target_sparsity=kw.get("target_sparsity"),
-            disabled_until_timestep=kw.get("disabled_until_timestep", 0.0) or 0.0,
+            disabled_until_timestep=0.0 if dut is None else dut,
         )
+
+    @classmethod
+    def coerce(cls, skip: Any, name: str = "skip") -> "SkipSoftmaxConfig | None":
+        """``skip`` in any accepted form (module docstring) as a config; None stays None."""
+        if skip is None or isinstance(skip, SkipSoftmaxConfig):
+            return skip
+        if isinstance(skip, (int, float)) and not isinstance(skip, bool):
+            return cls(threshold=skip)
+        if not isinstance(skip, Mapping):
+            raise ControlTypeError(
+                f"{name} must be a SkipSoftmaxConfig, a threshold in [0, 1), a dict "
+                f"({{'threshold': 0.05, 'disabled_until_timestep': 0.9}}) or None; got {skip!r} ({type(skip).__name__})."
+            )
+        kw = dict(skip)
+        if "skip_softmax_threshold" in kw:
+            if "threshold" in kw:
+                raise ValueError(f"{name} sets both 'threshold' and 'skip_softmax_threshold'; pass one.")
+            kw["threshold"] = kw.pop("skip_softmax_threshold")
+        allowed = ("threshold", "skip_softmax_threshold", "target_sparsity", "disabled_until_timestep")
+        unknown = set(kw) - set(allowed)
+        if unknown:
+            raise ValueError(unknown_keys_message(name, unknown, allowed))
+        if kw.get("disabled_until_timestep") is None:
+            kw.pop("disabled_until_timestep", None)
+        return cls(**kw)
 
     def with_calibration(self, a: float, b: float) -> "SkipSoftmaxConfig":
         return replace(self, a=float(a), b=float(b))
@@ -129,13 +226,7 @@ class QuantConfig:
 
     def __post_init__(self) -> None:
         if self.dtype_qk is not None:
-            name = _DTYPE_ALIASES.get(str(self.dtype_qk), self.dtype_qk)
-            if name not in QK_QUANT_DTYPES:
-                raise ValueError(
-                    f"quant.dtype_qk must be one of {sorted(QK_QUANT_DTYPES)} (or None for no SAGE); "
-                    f"got {self.dtype_qk!r}. float16/bfloat16 are not SAGE dtypes."
-                )
-            object.__setattr__(self, "dtype_qk", name)
+            object.__setattr__(self, "dtype_qk", _dtype_name(self.dtype_qk))
         for field in ("q_block_size", "k_block_size"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value not in BLOCK_SIZES:
@@ -144,22 +235,36 @@ class QuantConfig:
             raise ValueError(f"quant.smooth_k must be True or False; got {self.smooth_k!r}.")
 
     @classmethod
-    def from_kwargs(cls, quant: "Mapping[str, Any] | QuantConfig | None") -> "QuantConfig":
-        """Build from the ``quant={...}`` dict; unknown keys raise (they would be silently dropped)."""
+    def from_kwargs(cls, quant: Any) -> "QuantConfig":
+        """Build from ``quant`` in any accepted form (module docstring); unknown keys raise."""
         if isinstance(quant, QuantConfig):
             return quant
-        q = dict(quant or {})
-        unknown = sorted(set(q) - {"dtype_qk", "q_block_size", "k_block_size", "smooth_k"})
-        if unknown:
-            raise ValueError(
-                f"quant has unknown keys {unknown}; allowed: dtype_qk, q_block_size, k_block_size, smooth_k."
+        if quant is None:
+            return cls()
+        if isinstance(quant, (str, torch.dtype)):
+            return cls(dtype_qk=quant)
+        if not isinstance(quant, Mapping):
+            raise ControlTypeError(
+                "quant must be a dict ({'dtype_qk': 'int8', 'k_block_size': 16}), a dtype name "
+                f"({', '.join(map(repr, QK_QUANT_DTYPES))}), a QuantConfig or None; got {quant!r} ({type(quant).__name__})."
             )
+        q = dict(quant)
+        allowed = ("dtype_qk", "q_block_size", "k_block_size", "smooth_k")
+        unknown = set(q) - set(allowed)
+        if unknown:
+            raise ValueError(unknown_keys_message("quant", unknown, allowed))
         return cls(
             dtype_qk=q.get("dtype_qk"),
             q_block_size=q.get("q_block_size", 1),
             k_block_size=q.get("k_block_size", 16),
             smooth_k=q.get("smooth_k", False),
         )
+
+    @classmethod
+    def coerce(cls, quant: Any) -> "QuantConfig | None":
+        """``quant`` in any accepted form as a config, or None when SAGE is off."""
+        config = cls.from_kwargs(quant)
+        return config if config.enabled else None
 
     @property
     def enabled(self) -> bool:

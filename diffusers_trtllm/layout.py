@@ -68,7 +68,9 @@ class PackedLayout:
         """From boolean ``[batch, len]`` masks (True = valid token).
 
         Without ``q_mask`` every query is kept (its output equals masked SDPA's);
-        with it, padded queries are dropped and come back as zero rows.
+        with it, padded queries are dropped and come back as zero rows. A sequence
+        with no valid key also comes back as zero rows, as torch's SDPA returns for
+        fully masked rows; a batch with no valid key at all raises ``MaskNotSupportedError``.
         """
         masks = [(name, m, n) for name, m, n in (("q_mask", q_mask, q_len), ("kv_mask", kv_mask, kv_len)) if m is not None]
         for name, m, n in masks:
@@ -82,12 +84,18 @@ class PackedLayout:
         lens = {name: c for (name, _, _), c in zip(masks, counts)}
         q_lens = lens.get("q_mask", [q_len] * batch)
         kv_lens = lens.get("kv_mask", [kv_len] * batch)
-        empty = [i for i, n in enumerate(kv_lens) if n == 0 and q_lens[i] > 0]
-        if empty:
-            raise ValueError(
-                f"kv_mask leaves no valid key for batch rows {empty}; attention over zero keys is undefined. "
-                "Keep at least one key per sequence."
+        keep = [i for i in range(batch) if kv_lens[i] > 0 or q_lens[i] == 0]
+        if not keep:
+            raise MaskNotSupportedError(
+                "the masks leave no sequence with both a query and a valid key; attention over zero keys has no "
+                "kernel to run (torch's SDPA returns zeros there)."
             )
+        if len(keep) < batch:  # drop sequences with queries but no key: their rows come back as zeros
+            rows = torch.zeros(batch, dtype=torch.bool, device=device)
+            rows[keep] = True
+            q_mask = (q_mask if q_mask is not None else torch.ones(batch, q_len, dtype=torch.bool, device=device)) & rows[:, None]
+            kv_mask = (kv_mask if kv_mask is not None else torch.ones(batch, kv_len, dtype=torch.bool, device=device)) & rows[:, None]
+            q_lens, kv_lens = [q_lens[i] for i in keep], [kv_lens[i] for i in keep]
 
         def index(m: torch.Tensor | None, total: int) -> torch.Tensor | None:
             if m is None or total == m.numel():
@@ -241,7 +249,12 @@ def key_padding_mask(attn_mask: torch.Tensor, batch: int, q_len: int, kv_len: in
     """Reduce an attention mask to a boolean ``[batch, kv_len]`` key-padding mask (True = valid).
 
     Accepts bool masks (True = attend) and additive masks holding only 0 and large
-    negative values, of any shape that broadcasts to ``[batch, heads, q_len, kv_len]``.
+    negative values: ``[batch, kv_len]``, or any shape that broadcasts to
+    ``[batch, heads, q_len, kv_len]`` and is the same for every head and query.
+    A 2-D mask is read as ``[batch, kv_len]``; when ``batch == q_len`` it could as well
+    be SDPA's ``[q_len, kv_len]``, so unless its rows agree it is refused. An additive
+    row that masks every key with one finite value (LTX-Video's ``-10000`` for an empty
+    prompt) shifts all scores alike, so stock attention attends to every key: so do we.
     Raises ``MaskNotSupportedError`` when the mask varies per query or head, or is a bias.
     """
     m = attn_mask
@@ -250,16 +263,14 @@ def key_padding_mask(attn_mask: torch.Tensor, batch: int, q_len: int, kv_len: in
             f"attention mask of shape {tuple(m.shape)} does not end in kv_len={kv_len}; "
             "expected [batch, kv_len] or a shape broadcastable to [batch, heads, q_len, kv_len]."
         )
-    if m.dtype != torch.bool:
-        if not m.is_floating_point():
-            raise MaskNotSupportedError(f"attention mask must be bool or floating point; got {m.dtype}.")
-        keep = m == 0
-        if not bool((keep | (m <= _ADDITIVE_MASKED)).all()):
-            raise MaskNotSupportedError(
-                "additive attention mask holds values other than 0 and large negatives: it is a bias, "
-                "not a padding mask; use a route that takes masks (backend='sdpa')."
-            )
-        m = keep
+    if m.dtype != torch.bool and not m.is_floating_point():
+        raise MaskNotSupportedError(f"attention mask must be bool or floating point; got {m.dtype}.")
+    if m.ndim == 2 and m.shape[0] == q_len == batch > 1 and not bool((m == m[:1]).all()):
+        raise MaskNotSupportedError(
+            f"a 2-D attention mask of shape {tuple(m.shape)} is ambiguous when batch == q_len == {batch}: "
+            "[batch, kv_len] key padding or SDPA's [q_len, kv_len]. Pass key padding as [batch, 1, 1, kv_len] "
+            "or a per-query mask as [1, 1, q_len, kv_len] (per-query masks run on backend='sdpa')."
+        )
     # [batch, kv_len] is a key-padding mask; 3-D and 4-D masks broadcast as in SDPA.
     m = m[:, None, None, :] if m.ndim == 2 else m.reshape((1,) * (4 - m.ndim) + tuple(m.shape))
     if m.shape[0] not in (1, batch):
@@ -272,7 +283,24 @@ def key_padding_mask(attn_mask: torch.Tensor, batch: int, q_len: int, kv_len: in
                 "use a route that takes masks (backend='sdpa')."
             )
         m = first
-    return m[:, 0, 0, :].expand(batch, kv_len)
+    rows = m[:, 0, 0, :]
+    if rows.dtype != torch.bool:
+        keep = rows == 0
+        if not bool((keep | (rows <= _ADDITIVE_MASKED)).all()):
+            raise MaskNotSupportedError(
+                "additive attention mask holds values other than 0 and large negatives: it is a bias, "
+                "not a padding mask; use a route that takes masks (backend='sdpa')."
+            )
+        empty = ~keep.any(dim=1)
+        finite = torch.isfinite(rows).any(dim=1)
+        uniform = (rows == rows[:, :1]).all(dim=1)
+        if bool((empty & finite & ~uniform).any()):
+            raise MaskNotSupportedError(
+                "an additive mask row masks every key with different finite values: softmax then weighs the keys "
+                "by those values (a bias); use a route that takes masks (backend='sdpa')."
+            )
+        rows = keep | (empty & uniform & finite)[:, None]
+    return rows.expand(batch, kv_len)
 
 
 class LayoutCache:

@@ -34,7 +34,7 @@ import torch
 from . import families
 from ._logging import info_once, logger, warn_once
 from .attention import build_layout, check_route_choice, run_attention
-from .config import QuantConfig, SkipSoftmaxConfig
+from .config import QuantConfig, SkipSoftmaxConfig, check_mapping, unknown_keys_message
 from .layout import LayoutCache, MaskNotSupportedError, PackedLayout
 from .policy import POLICIES
 
@@ -159,22 +159,21 @@ def _role_settings(base: Mapping[str, Any], override: Any, role: str) -> _Settin
         return _Settings(SkipSoftmaxConfig(), None, base["backend"], base["fallback"], override, base["policy"])
     if not isinstance(override, Mapping):
         raise ValueError(f"roles[{role!r}] must be a dict of overrides or one of {_ROLE_MODES}; got {override!r}.")
-    unknown = sorted(set(override) - set(_ROLE_KEYS))
+    unknown = set(override) - set(_ROLE_KEYS)
     if unknown:
-        raise ValueError(f"roles[{role!r}] has unknown keys {unknown}; allowed: {', '.join(_ROLE_KEYS)}.")
+        raise ValueError(unknown_keys_message(f"roles[{role!r}]", unknown, _ROLE_KEYS))
     kw = {**base, **override}
     if "skip_softmax_threshold" in override and override["skip_softmax_threshold"] is not None and "target_sparsity" not in override:
         kw["target_sparsity"] = None
     if "target_sparsity" in override and override["target_sparsity"] is not None and "skip_softmax_threshold" not in override:
         kw["skip_softmax_threshold"] = None
     skip = SkipSoftmaxConfig.from_kwargs(kw)
-    quant = QuantConfig.from_kwargs(kw["quant"]) if kw["quant"] is not None else None
+    quant = QuantConfig.coerce(kw["quant"])
     check_route_choice(kw["backend"], kw["fallback"], where=f" (role {role!r})")
     # A role the user configured explicitly is honoured on every call unless it names a policy itself.
     policy = override.get("policy", "always" if override else base["policy"])
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}; got {policy!r} (role {role!r}).")
-    quant = quant if quant is not None and quant.enabled else None
     return _Settings(skip, quant, kw["backend"], kw["fallback"], policy=policy)
 
 
@@ -217,10 +216,10 @@ class TrtllmAttnProcessor:
             "policy": policy,
         }
         _patch_diffusers()
-        roles = dict(roles or {})
-        unknown = sorted(set(roles) - set(ROLES))
+        roles = dict(check_mapping("roles", roles or {}, "{'cross': 'dense', 'joint': {'quant': None}}"))
+        unknown = set(roles) - set(ROLES)
         if unknown:
-            raise ValueError(f"roles has unknown roles {unknown}; known roles: {', '.join(ROLES)}.")
+            raise ValueError(unknown_keys_message("roles", unknown, ROLES, what="roles"))
         self._role_settings = {role: _role_settings(base, roles.get(role, {}), role) for role in ROLES}
         self.roles = roles
         self.collect_stats = bool(collect_stats)

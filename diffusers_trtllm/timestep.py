@@ -24,12 +24,15 @@ list: the raw value itself (then divide) or the value times ``num_train_timestep
 from __future__ import annotations
 
 import inspect
+import math
 import weakref
 from typing import Any, Callable
 
 import torch
 from diffusers.callbacks import PipelineCallback
 from diffusers.hooks import HookRegistry, ModelHook
+
+from .config import ControlTypeError
 
 __all__ = ["DenoiseStepCallback", "attach_denoise_tracking", "detach_denoise_tracking", "TimestepNormalizer"]
 
@@ -48,8 +51,8 @@ class TimestepNormalizer:
     """Turns the value a pipeline hands its transformer into ``t`` in [0, 1] (see module docstring)."""
 
     def __init__(self, pipe: Any = None, divisor: float | None = None) -> None:
-        self._pipe = weakref.ref(pipe) if pipe is not None else None
-        self.divisor = divisor
+        self._pipe = _weak(pipe) if pipe is not None else None
+        self.divisor = check_divisor(divisor)
         self._host: tuple[int, list[float]] | None = None
 
     def _scheduler_timesteps(self) -> tuple[list[float], float] | None:
@@ -81,6 +84,36 @@ class TimestepNormalizer:
         return min(max(t, 0.0), 1.0)
 
 
+def _weak(obj: Any) -> Callable[[], Any]:
+    """A weak reference where the object allows one, else a plain one."""
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return lambda: obj
+
+
+def check_divisor(divisor: Any) -> float | None:
+    """``timestep_divisor``: None (detect) or a finite number > 0."""
+    if divisor is None:
+        return None
+    if isinstance(divisor, bool) or not isinstance(divisor, (int, float)):
+        raise ControlTypeError(
+            f"timestep_divisor must be a number (1 or num_train_timesteps, e.g. 1000) or None; "
+            f"got {divisor!r} ({type(divisor).__name__})."
+        )
+    if not (math.isfinite(divisor) and divisor > 0):
+        raise ValueError(f"timestep_divisor must be finite and > 0 (1 or num_train_timesteps) or None; got {divisor!r}.")
+    return float(divisor)
+
+
+def check_processor(processor: Any, where: str) -> None:
+    """``processor`` must be what ``set_timestep`` is published to: a ``TrtllmAttnProcessor``."""
+    if not callable(getattr(processor, "set_timestep", None)):
+        raise ControlTypeError(
+            f"{where} needs the TrtllmAttnProcessor installed on the transformer; got {type(processor).__name__}."
+        )
+
+
 class _DenoiseTrackingHook(ModelHook):
     """Hands each forward's ``timestep`` tensor to the processor before the forward runs."""
 
@@ -109,7 +142,7 @@ def _transformers(target: Any) -> list[torch.nn.Module]:
     found = [getattr(target, a, None) for a in _TRANSFORMER_ATTRS]
     found = [m for m in found if isinstance(m, torch.nn.Module)]
     if not found:
-        raise ValueError(
+        raise ControlTypeError(
             f"{type(target).__name__} has no transformer to track (looked for {', '.join(_TRANSFORMER_ATTRS)}); "
             "pass a pipeline or a transformer module."
         )
@@ -124,11 +157,11 @@ def attach_denoise_tracking(target: Any, processor: Any, timestep_divisor: float
     ``num_train_timesteps`` if raw); by default it is detected against ``pipe.scheduler``.
     Returns ``target``. Attaching twice replaces the earlier hook.
     """
-    if timestep_divisor is not None and not timestep_divisor > 0:
-        raise ValueError(f"timestep_divisor must be > 0; got {timestep_divisor!r}.")
+    check_processor(processor, "attach_denoise_tracking")
+    transformers = _transformers(target)
     pipe = None if isinstance(target, torch.nn.Module) else target
     normalizer = TimestepNormalizer(pipe, timestep_divisor)
-    for transformer in _transformers(target):
+    for transformer in transformers:
         params = list(inspect.signature(transformer.forward).parameters)
         index = params.index("timestep") if "timestep" in params else None
         registry = HookRegistry.check_if_exists_or_initialize(transformer)
@@ -157,6 +190,9 @@ class DenoiseStepCallback(PipelineCallback):
 
     def __init__(self, processor: Any, on_step: Callable[[int, float | None], None] | None = None) -> None:
         super().__init__()
+        check_processor(processor, "DenoiseStepCallback")
+        if on_step is not None and not callable(on_step):
+            raise ControlTypeError(f"on_step must be a callable (step_index, t) or None; got {on_step!r}.")
         self.processor = processor
         self.on_step = on_step
         processor._has_callback = True

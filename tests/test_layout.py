@@ -44,10 +44,14 @@ def test_dense_layout_is_a_reshape():
     assert torch.equal(layout.unpack_q(layout.pack_q(x)), x)
 
 
-def test_all_keys_masked_raises():
+def test_sequence_without_keys_gives_zero_rows_as_sdpa():
     mask = torch.tensor([[True, False], [False, False]])
-    with pytest.raises(ValueError, match="no valid key"):
-        PackedLayout.from_masks(2, 2, 2, kv_mask=mask)
+    layout = PackedLayout.from_masks(2, 2, 2, kv_mask=mask)
+    assert layout.q_lens == (2,) and layout.kv_lens == (1,) and layout.min_seqlen_kv == 1
+    out = layout.unpack_q(torch.ones(2, 1, 1))
+    assert out[0].eq(1).all() and out[1].eq(0).all()
+    with pytest.raises(MaskNotSupportedError, match="no sequence with both"):
+        PackedLayout.from_masks(2, 2, 2, kv_mask=torch.zeros(2, 2, dtype=torch.bool))
 
 
 def test_mask_shape_and_dtype_checked():

@@ -64,3 +64,50 @@ def test_ltx_bf16_additive_mask_is_a_padding_mask():
     mask = torch.tensor([[1, 1, 0]]).to(torch.bfloat16)
     additive = ((1 - mask) * -10000.0).unsqueeze(1)
     assert key_padding_mask(additive, 1, 4, 3).tolist() == [[True, True, False]]
+
+
+def test_ltx_row_with_all_zero_text_mask_matches_stock():
+    """Issue 13: an empty prompt row (-10000 on every text key) shifts all scores alike; stock attends to all keys."""
+    model, inputs = tiny_models.build("ltx", batch=2)
+    inputs["encoder_attention_mask"][1] = 0
+    stock = _run(model, inputs)
+    assert torch.isfinite(stock).all()
+    for backend in ("auto", "reference"):
+        proc = TrtllmAttnProcessor(backend=backend)
+        model.set_attn_processor(proc)
+        torch.testing.assert_close(_run(model, inputs), stock, rtol=1e-4, atol=1e-4)
+        cross = [r for s in proc.layers if s.role == "cross" for r in s.records]
+        expected = "sdpa" if backend == "auto" else backend  # our kernel path, not the stock fallback
+        assert cross and all(r.route == expected for r in cross)
+
+
+def test_bool_row_without_keys_gives_zero_rows_like_sdpa():
+    from diffusers_trtllm import attention
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 6, 2, 16, generator=gen) for _ in range(3))
+    mask = torch.ones(2, 6, dtype=torch.bool)
+    mask[1] = False
+    stock = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None, None, :]).transpose(1, 2)
+    for backend in ("sdpa", "reference"):
+        torch.testing.assert_close(attention(q, k, v, attn_mask=mask, backend=backend), stock, rtol=1e-5, atol=1e-5)
+    additive = torch.zeros(2, 1, 1, 6)
+    additive[1] = float("-inf")
+    torch.testing.assert_close(attention(q, k, v, attn_mask=additive, backend="reference"), stock, rtol=1e-5, atol=1e-5)
+
+
+def test_ambiguous_2d_mask_is_refused():
+    """Issue 13: a 2-D [L, L] mask with batch == L could be key padding or SDPA's [q_len, kv_len]."""
+    import pytest
+
+    from diffusers_trtllm import attention
+    from diffusers_trtllm.layout import MaskNotSupportedError
+
+    q = torch.randn(4, 4, 2, 16)
+    mask = torch.tril(torch.ones(4, 4, dtype=torch.bool))
+    with pytest.raises(MaskNotSupportedError, match=r"ambiguous.*\[batch, 1, 1, kv_len\]"):
+        attention(q, q, q, attn_mask=mask)
+    same_rows = torch.tensor([[True, True, True, False]]).expand(4, 4)  # both readings agree
+    expected = attention(q, q, q, attn_mask=same_rows[:1].expand(4, 4)[:, None, None, :], backend="reference")
+    torch.testing.assert_close(attention(q, q, q, attn_mask=same_rows, backend="reference"), expected)

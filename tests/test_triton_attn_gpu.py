@@ -124,3 +124,55 @@ def test_route_is_auto_for_sage_on_this_gpu():
         assert route.name == "triton"
     res = route.run(call)
     assert res.out.shape == q.shape and torch.isfinite(res.out.float()).all()
+
+
+# ---- extremes (issue 13): finite in, finite out; NaN/inf in, non-finite out where the reference's is ----------
+
+#: Magnitudes per dtype: 1e2, 1e4 and near the limit (fp16: its max; bf16: the largest whose q.k scores
+#: still fit fp32, which torch's attention needs as well).
+MAGNITUDES = [(torch.float16, 1e2), (torch.float16, 1e4), (torch.float16, 6.0e4),
+              (torch.bfloat16, 1e2), (torch.bfloat16, 1e4), (torch.bfloat16, 1e15)]
+ROUTES = [(None, None), (None, 0.02), ("int8", None), ("int8", 0.02), ("fp8_e4m3", None), ("fp8_e4m3", 0.02)]
+
+
+def _extreme_inputs(dtype, magnitude, dim=128):
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    lens_q, lens_kv = (300, 517), (400, 700)
+    limit = torch.finfo(dtype).max
+
+    def x(n, heads):
+        return (torch.randn(n, heads, dim, device="cuda", generator=gen) * magnitude).clamp(-limit, limit).to(dtype)
+
+    return x(sum(lens_q), 8), x(sum(lens_kv), 4), x(sum(lens_kv), 4), _layout(lens_q, lens_kv)
+
+
+@pytest.mark.parametrize("dtype_qk,skip", ROUTES)
+@pytest.mark.parametrize("dtype,magnitude", MAGNITUDES)
+def test_extreme_magnitudes_stay_finite(dtype, magnitude, dtype_qk, skip):
+    from diffusers_trtllm.kernels.triton_attn import triton_attention
+
+    q, k, v, layout = _extreme_inputs(dtype, magnitude)
+    quant = QuantConfig(dtype_qk, 1, 16) if dtype_qk else None
+    factor = None if skip is None else skip * layout.max_seqlen_kv
+    out = triton_attention(q, k, v, layout, softmax_scale=128**-0.5, skip_factor=factor, quant=quant).out
+    bad = int((~torch.isfinite(out.float())).sum())
+    assert bad == 0, f"{bad} of {out.numel()} outputs are not finite"
+    ref = _reference(q, k, v, layout, skip_factor=factor, quant=quant, tile_q=64 if quant else 128, tile_kv=128)
+    assert torch.isfinite(ref.out.float()).all()
+    assert rel_l1(out, ref.out) < (2e-2 if quant else 1e-2)
+
+
+@pytest.mark.parametrize("dtype_qk,skip", ROUTES)
+@pytest.mark.parametrize("tensor,value", [("q", math.nan), ("k", math.nan), ("v", math.nan), ("k", math.inf)])
+def test_nonfinite_inputs_propagate(tensor, value, dtype_qk, skip):
+    from diffusers_trtllm.kernels.triton_attn import triton_attention
+
+    q, k, v, layout = _extreme_inputs(torch.bfloat16, 1.0)
+    {"q": q, "k": k, "v": v}[tensor][650, 1, 3] = value  # second sequence, past its first KV tile
+    quant = QuantConfig(dtype_qk, 1, 16) if dtype_qk else None
+    factor = None if skip is None else skip * layout.max_seqlen_kv
+    out = triton_attention(q, k, v, layout, softmax_scale=128**-0.5, skip_factor=factor, quant=quant).out
+    ref = _reference(q, k, v, layout, skip_factor=factor, quant=quant, tile_q=64 if quant else 128, tile_kv=128)
+    bad_ref, bad = ~torch.isfinite(ref.out.float()), ~torch.isfinite(out.float())
+    assert bad_ref.any()
+    assert not (bad_ref & ~bad).any(), f"{int((bad_ref & ~bad).sum())} outputs finite where the reference's are not"

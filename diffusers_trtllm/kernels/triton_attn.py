@@ -9,8 +9,10 @@ Hopper (and Ampere/Ada) this is the only route that serves ``quant=...``.
 Semantics are the reference's (``reference.reference_attention``) with
 ``tile_q = BLOCK_M`` and ``tile_kv = BLOCK_N`` (SAGE 64 x 128, dense 128 x 128 by
 default, from H200 sweeps; ``KernelConfig`` overrides them): scores live in the
-log2 domain (``log2(e)`` folded into the scale), P is formed as ``448 * p`` directly (``exp2(s - m + log2 448)``) and
-cast to fp8, and the row sum carries the same factor, so it cancels.
+log2 domain (``log2(e)`` folded into the scale), P is formed as ``448 * p`` directly
+(``exp2((s - m) * scale + log2 448)``, never above 448 for any finite input) and
+cast to fp8, and the row sum carries the same factor, so it cancels. NaN or inf in
+Q/K/V gives a non-finite output, as torch's attention does.
 Hopper tools: tensor descriptors (TMA) for every tile load, software-pipelined
 KV loop (``num_stages``), int8 ``tl.dot`` into int32 and fp8 ``tl.dot``.
 
@@ -76,20 +78,26 @@ else:
 
 if triton is not None:
     from . import triton_quant
-    from .triton_quant import round_fp8_grid, vt_start
+    from .triton_quant import max_nan, round_fp8_grid, vt_start
 
     _LOG2_P_SCALE = tl.constexpr(math.log2(448.0))
 
     @triton.jit
     def _update(acc, l_i, m_i, s, q_row_scale, local, desc_v, v_row, v_col, SAGE: tl.constexpr,
                 NATIVE: tl.constexpr):
-        """Online-softmax update with one KV tile; log2-domain scores are ``s * q_row_scale``."""
+        """Online-softmax update with one KV tile; log2-domain scores are ``s * q_row_scale``.
+
+        The running max ``m_i`` is kept in ``s``'s units and subtracted before the row
+        scale: ``s - m <= 0`` exactly, so the exponent never exceeds 0 (``log2 448`` with
+        SAGE) whatever the magnitude or the compiler's FMA contraction. Subtracting a
+        scaled max instead lets rounding push ``p`` past the fp16/fp8 range at |scores| >~ 1e7.
+        """
         m_new = tl.maximum(m_i, local)
-        alpha = tl.math.exp2(m_i - m_new)
+        alpha = tl.math.exp2((m_i - m_new) * q_row_scale)
         if SAGE:  # 448 * p, ready for the fp8 cast; l carries the same factor
-            p = tl.math.exp2(s * q_row_scale[:, None] - (m_new - _LOG2_P_SCALE)[:, None])
+            p = tl.math.exp2((s - m_new[:, None]) * q_row_scale[:, None] + _LOG2_P_SCALE)
         else:
-            p = tl.math.exp2(s * q_row_scale - m_new[:, None])
+            p = tl.math.exp2((s - m_new[:, None]) * q_row_scale)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         if SAGE:
@@ -123,14 +131,14 @@ if triton is not None:
             s = s * tl.load(k_scale_ptr + k_scale_first + cols // K_BS, mask=cols < kv_len, other=0.0)[None, :]
         if MASK:
             s = tl.where((cols < kv_len)[None, :], s, -float("inf"))
-        local = tl.max(s, 1) * q_row_scale
+        local = max_nan(s, 1)  # NaN rows stay NaN, so the skip rule keeps their tiles (as the reference)
         if QUANT == 0:
             v_row, v_col = kv_start + start_n, kv_col
         else:
             v_row, v_col = kv_col, v_start + start_n
         if SKIP:
-            excess = tl.max(tl.where(row_ok, local - m_i, -float("inf")), 0)
-            keep = (start_n == 0) | (excess >= log2_lam)
+            excess = max_nan(tl.where(row_ok, (local - m_i) * q_row_scale, -float("inf")), 0)
+            keep = (start_n == 0) | (excess >= log2_lam) | (excess != excess)
             n_skipped += 1 - keep.to(tl.int32)
             if keep:
                 acc, l_i, m_i = _update(acc, l_i, m_i, s, q_row_scale, local, desc_v, v_row, v_col, QUANT != 0, NATIVE)

@@ -34,7 +34,7 @@ from ..config import QuantConfig
 from ..layout import PackedLayout
 from .reference import AMAX_FLOOR, FP8_MAX
 
-__all__ = ["TritonSage", "sage_quantize_triton", "fp8_native", "interpreting", "round_fp8_grid", "vt_start"]
+__all__ = ["TritonSage", "sage_quantize_triton", "fp8_native", "interpreting", "round_fp8_grid", "vt_start", "max_nan"]
 
 #: Tokens per program of the quantization kernel (a multiple of every block size).
 QUANT_BLOCK_T = 64
@@ -95,6 +95,17 @@ def vt_start(seq, kv_start):
 
 
 @triton.jit
+def _maximum_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def max_nan(x, axis):
+    """``tl.max`` that returns NaN where a NaN is reduced (``tl.max`` skips NaNs, ``torch.amax`` does not)."""
+    return tl.reduce(x, axis, _maximum_nan)
+
+
+@triton.jit
 def _rne(x):
     """Round to the nearest integer, ties to even (|x| < 2**22), as ``torch.round``."""
     r = tl.floor(x + 0.5)
@@ -115,10 +126,14 @@ def round_fp8_grid(x):
 @triton.jit
 def _quantize_tile(x, QMAX: tl.constexpr, BS: tl.constexpr, BLOCK_T: tl.constexpr, IS_INT8: tl.constexpr,
                    NATIVE: tl.constexpr):
-    """Per-block scales of a ``[BLOCK_T, D]`` fp32 tile whose first row starts a block."""
-    amax = tl.max(tl.abs(x), axis=1)
-    block_amax = tl.max(tl.reshape(amax, (BLOCK_T // BS, BS)), axis=1)
-    scale = tl.math.div_rn(tl.maximum(block_amax, 1.0e-3), QMAX)
+    """Per-block scales of a ``[BLOCK_T, D]`` fp32 tile whose first row starts a block.
+
+    A NaN or inf in a block makes its scale NaN or inf, so the attention output
+    turns non-finite as torch's does, instead of the value quantizing to a finite code.
+    """
+    amax = max_nan(tl.abs(x), 1)
+    block_amax = max_nan(tl.reshape(amax, (BLOCK_T // BS, BS)), 1)
+    scale = tl.math.div_rn(tl.maximum(block_amax, 1.0e-3, propagate_nan=tl.PropagateNan.ALL), QMAX)
     row_scale = tl.reshape(tl.broadcast_to(scale[:, None], (BLOCK_T // BS, BS)), (BLOCK_T,))
     y = tl.math.div_rn(x, row_scale[:, None])
     if IS_INT8:

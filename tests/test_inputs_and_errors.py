@@ -1,0 +1,221 @@
+"""Issue 13: every bad input gets a clear error naming the control, the value and what is allowed;
+convenient forms are accepted where unambiguous. One test per row of the issue's table (the mask rows
+live in test_processor_masks.py, the kernel rows in test_triton_attn.py)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+
+import pytest
+import torch
+
+import tiny_models
+from diffusers_trtllm import (
+    DenoiseStepCallback,
+    QuantConfig,
+    SkipSoftmaxConfig,
+    TrtllmAttnProcessor,
+    attach_denoise_tracking,
+    attention,
+    load_calibration,
+)
+from diffusers_trtllm.__main__ import parse_args
+
+
+def _qkv(dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(1, 40, 2, 16, generator=gen).to(dtype) for _ in range(3)]
+
+
+# ---- row 1: processor controls ---------------------------------------------------------------------
+
+def test_processor_accepts_a_dtype_name_for_quant():
+    for quant in ("int8", torch.int8, {"dtype_qk": "INT8"}):
+        assert TrtllmAttnProcessor(quant=quant).quant == QuantConfig("int8")
+    assert TrtllmAttnProcessor(quant="fp8").quant.dtype_qk == "fp8_e4m3"
+
+
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        ({"quant": 8}, r"quant must be a dict .* got 8 \(int\)"),
+        ({"roles": ["self"]}, r"roles must be a dict .* got \['self'\] \(list\)"),
+        ({"quant": {"dtype_qk": []}}, r"quant.dtype_qk must be a dtype name .* got \[\] \(list\)"),
+        ({"backend": ["triton"]}, r"backend must be a route name"),
+        ({"skip_softmax_threshold": "0.1"}, r"skip_softmax_threshold must be a number; got '0.1'"),
+    ],
+)
+def test_processor_rejects_wrong_types_with_type_error(kwargs, needle):
+    with pytest.raises(TypeError, match=needle):
+        TrtllmAttnProcessor(**kwargs)
+
+
+def test_unknown_keys_suggest_the_closest():
+    with pytest.raises(ValueError, match=r"'dtype_q' \(did you mean 'dtype_qk'\?\)"):
+        TrtllmAttnProcessor(quant={"dtype_q": "int8"})
+    with pytest.raises(ValueError, match=r"'slef' \(did you mean 'self'\?\)"):
+        TrtllmAttnProcessor(roles={"slef": "dense"})
+
+
+# ---- row 2: functional skip forms ------------------------------------------------------------------
+
+def test_functional_skip_accepts_a_threshold_or_a_dict():
+    q, k, v = _qkv()
+    kw = dict(backend="reference", collect_stats=True)
+    expected = attention(q, k, v, skip=SkipSoftmaxConfig(threshold=0.1), **kw)
+    for skip in (0.1, {"threshold": 0.1}, {"skip_softmax_threshold": 0.1, "disabled_until_timestep": None}):
+        torch.testing.assert_close(attention(q, k, v, skip=skip, **kw), expected, rtol=0, atol=0)
+    with pytest.raises(TypeError, match=r"skip must be a SkipSoftmaxConfig, a threshold in \[0, 1\), a dict"):
+        attention(q, k, v, skip="0.1")
+    with pytest.raises(ValueError, match=r"'treshold' \(did you mean 'threshold'\?\)"):
+        attention(q, k, v, skip={"treshold": 0.1})
+
+
+# ---- row 3: thresholds where the rule means sparsity -----------------------------------------------
+
+@pytest.mark.parametrize("threshold", [1, 2, 1e3])
+def test_threshold_must_be_below_one(threshold):
+    with pytest.raises(ValueError, match=r"skip_softmax_threshold must be finite and in \[0.0, 1.0\); got"):
+        SkipSoftmaxConfig(threshold=threshold)
+    with pytest.raises(ValueError, match="skip_softmax_threshold"):
+        TrtllmAttnProcessor(skip_softmax_threshold=threshold)
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="skip_softmax_threshold"):
+        attention(q, k, v, skip=threshold)
+    assert SkipSoftmaxConfig(threshold=0.999).threshold == 0.999
+
+
+# ---- rows 4-6: calibration -------------------------------------------------------------------------
+
+def _calibration(**over):
+    group = {
+        "algorithm": "skip_softmax",
+        "threshold_scale_factor": {"formula": "a * exp(b * target_sparsity)", "coefficients": {"a": 2822.62, "b": 4.388}},
+        "target_sparsity": 0.7,
+    }
+    group.update(over)
+    return {"sparse_attention_config": {"config_groups": {"group_0": group}}}
+
+
+def _model_with_processor():
+    model, _ = tiny_models.build("wan_t2v")
+    model.set_attn_processor(TrtllmAttnProcessor(backend="reference"))
+    return model
+
+
+@pytest.mark.parametrize(
+    "curve, needle",
+    [
+        ({"formula": "a * exp(b * target_sparsity)", "coefficients": {"a": 2822.62, "b": 1000}}, "overflows"),
+        ({"formula": "a * exp(b * target_sparsity)", "coefficients": {"a": 1e308, "b": 1.0}}, "overflows"),
+        ({"formula": "exp(log_a + b * target_sparsity)", "coefficients": {"log_a": 1000, "b": 1.0}}, "log_a must be <= 700"),
+        ({"formula": "a * exp(b * target_sparsity)", "coefficients": {"a": 1e-300, "b": -1000}}, "underflows"),
+        ({"formula": "a * exp(b * target_sparsity)", "coefficients": {"a": 10**400, "b": 1}}, "a must be a finite number"),
+    ],
+)
+def test_calibration_curve_checked_at_load(curve, needle):
+    model = _model_with_processor()
+    with pytest.raises(ValueError, match=f"group 'group_0'.*{needle}"):
+        load_calibration(model, _calibration(threshold_scale_factor=curve))
+    with pytest.raises(ValueError, match="calibration"):
+        SkipSoftmaxConfig(target_sparsity=0.5, a=1e308, b=1.0)
+
+
+@pytest.mark.parametrize("content", [b"{", b"", b'{"a": "\xff"}', b"null", b"[1, 2]"])
+def test_calibration_file_errors_name_the_path(tmp_path, content):
+    path = tmp_path / "calib.json"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=f"calibration file '{path}'"):
+        load_calibration(_model_with_processor(), path)
+
+
+def test_calibration_bad_ignore_and_source_type():
+    with pytest.raises(ValueError, match="ignore must be a list of fnmatch patterns; got 5"):
+        load_calibration(_model_with_processor(), _calibration(ignore=5))
+    with pytest.raises(TypeError, match="calibration must be a path"):
+        load_calibration(_model_with_processor(), 5)
+
+
+def test_calibration_unknown_key_warns_with_closest(caplog):
+    with caplog.at_level(logging.WARNING, logger="diffusers_trtllm"):
+        load_calibration(_model_with_processor(), _calibration(disable_until_timestep=0.9, ignore=[]))
+    assert "'disable_until_timestep' (did you mean 'disabled_until_timestep'?)" in caplog.text
+
+
+# ---- row 7: timestep tracking ----------------------------------------------------------------------
+
+def test_timestep_tracking_arguments_checked():
+    model, _ = tiny_models.build("wan_t2v")
+    proc = TrtllmAttnProcessor()
+    for divisor in (math.inf, math.nan, 0, -1000):
+        with pytest.raises(ValueError, match="timestep_divisor must be finite and > 0"):
+            attach_denoise_tracking(model, proc, timestep_divisor=divisor)
+    with pytest.raises(TypeError, match=r"timestep_divisor must be a number .* got '1000' \(str\)"):
+        attach_denoise_tracking(model, proc, timestep_divisor="1000")
+    with pytest.raises(TypeError, match="object has no transformer to track"):
+        attach_denoise_tracking(object(), proc)
+    with pytest.raises(TypeError, match="needs the TrtllmAttnProcessor"):
+        attach_denoise_tracking(model, object())
+    with pytest.raises(TypeError, match="DenoiseStepCallback needs the TrtllmAttnProcessor"):
+        DenoiseStepCallback(object())
+    with pytest.raises(TypeError, match="on_step must be a callable"):
+        DenoiseStepCallback(proc, on_step=5)
+    attach_denoise_tracking(model, proc, timestep_divisor=1000)  # the accepted form still works
+
+
+# ---- row 9: mixed dtypes ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", ["reference", "sdpa", "auto"])
+def test_mixed_dtypes_refused_on_every_route(backend):
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=r"share one floating dtype .* torch.float32, torch.float16, torch.float32"):
+        attention(q, k.half(), v, backend=backend)
+    with pytest.raises(ValueError, match="share one floating dtype"):
+        attention(q.long(), k.long(), v.long(), backend=backend)
+
+
+def test_functional_scalars_checked():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="softmax_scale must be finite and > 0"):
+        attention(q, k, v, softmax_scale=-1.0)
+    with pytest.raises(ValueError, match=r"timestep must be the normalized denoising timestep in \[0, 1\]"):
+        attention(q, k, v, timestep=500.0)
+
+
+# ---- row 13: the CLI -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--threshold", "-1"], r"argument --threshold: skip_softmax_threshold must be finite and in \[0.0, 1.0\); got '-1'"),
+        (["--backend", "foo"], r"argument --backend: invalid choice: 'foo'"),
+        (["--steps", "0"], r"argument --steps: must be >= 1; got '0'"),
+        (["--disabled-until-timestep", "5"], r"argument --disabled-until-timestep: .* \[0.0, 1.0\]; got '5'"),
+        (["--target-sparsity", "1.5"], r"argument --target-sparsity"),
+        (["--threshold", "abc"], r"argument --threshold: must be a number; got 'abc'"),
+    ],
+)
+def test_cli_bad_arguments_are_argparse_errors(argv, needle, capsys):
+    import re
+
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert re.search(needle, err), err
+    assert "Traceback" not in err
+
+
+def test_cli_help_shows_defaults(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "(default: 0.2)" in out and "(default: 0.7)" in out and "(default: auto)" in out
+
+
+def test_calibration_json_roundtrip_of_accepted_file(tmp_path):
+    path = tmp_path / "calib.json"
+    path.write_text(json.dumps(_calibration(ignore=[])))
+    assert load_calibration(_model_with_processor(), path) == {"transformer": {"calibrated": 4, "ignored": 0, "uncovered": 0}}
