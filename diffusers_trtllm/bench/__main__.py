@@ -1,9 +1,10 @@
-"""Command line of the benchmark (``python -m diffusers_trtllm.bench``)."""
+"""Command line of the benchmarks: ``python -m diffusers_trtllm.bench [e2e] ...`` (attention, or end to end)."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import sys
 from pathlib import Path
 
 import torch
@@ -46,7 +47,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> Path:
+def main(argv: list[str] | None = None) -> Path | None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["e2e"]:  # the end-to-end benchmark (bench.e2e); the attention benchmark stays the default
+        from .e2e import main as e2e_main
+
+        return e2e_main(argv[1:])
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     settings = Settings(

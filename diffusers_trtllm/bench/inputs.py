@@ -25,13 +25,14 @@ import contextlib
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
 from ..layout import PackedLayout
 
-__all__ = ["Shape", "SHAPES", "parse_shapes", "structured_qkv", "holed_batch", "save_qkv", "load_qkv", "capture_qkv"]
+__all__ = ["Shape", "SHAPES", "parse_shapes", "structured_qkv", "holed_batch", "save_qkv", "load_qkv", "capture_qkv",
+           "spy_sdpa"]
 
 #: Logit contrast (nats) at ``locality=1`` between a query's own position and an unrelated key.
 MAX_CONTRAST = 24.0
@@ -177,29 +178,27 @@ def load_qkv(path: str | Path) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
 
 
 @contextlib.contextmanager
-def capture_qkv(path: str | Path, *, call_index: int = 0, **meta: Any) -> Iterator[dict[str, Any]]:
-    """Inside the block, save the Q/K/V of the ``call_index``-th attention call to ``path``.
+def spy_sdpa(observe: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]) -> Iterator[None]:
+    """Inside the block, ``observe(call_index, q, k, v)`` sees every SDPA call before it runs.
 
-    Wraps ``torch.nn.functional.scaled_dot_product_attention`` (what Diffusers'
-    processors call by default), whose inputs are ``[batch, heads, tokens, dim]``.
-    Yields a dict that receives ``saved=True`` once the tensors are written.
+    Wraps ``torch.nn.functional.scaled_dot_product_attention`` (what Diffusers' stock
+    processors and its native backend call), whose inputs are ``[batch, heads, tokens, dim]``.
+    ``observe`` may raise to stop the caller (the end-to-end probe stops a forward that way).
     """
     import torch.nn.functional as F
 
     original = F.scaled_dot_product_attention
-    state: dict[str, Any] = {"calls": 0, "saved": False}
+    calls = 0
 
     def spy(query, key, value, *args, **kwargs):
-        if state["calls"] == call_index and not state["saved"]:
-            t = lambda x: x.transpose(1, 2)  # noqa: E731 - to [batch, tokens, heads, dim]
-            save_qkv(path, t(query), t(key), t(value), call_index=call_index, **meta)
-            state["saved"] = True
-        state["calls"] += 1
+        nonlocal calls
+        index, calls = calls, calls + 1
+        observe(index, query, key, value)
         return original(query, key, value, *args, **kwargs)
 
     F.scaled_dot_product_attention = spy
     try:
-        yield state
+        yield
     finally:
         F.scaled_dot_product_attention = original
 
@@ -235,3 +234,21 @@ def holed_batch(
     if queries == "fewer":
         q_mask[0, -100:] = False
     return q, k, v, PackedLayout.from_masks(len(kv_valid), seq, seq, kv_mask=kv_mask, q_mask=q_mask)
+
+
+@contextlib.contextmanager
+def capture_qkv(path: str | Path, *, call_index: int = 0, **meta: Any) -> Iterator[dict[str, Any]]:
+    """Inside the block, save the Q/K/V of the ``call_index``-th SDPA call to ``path`` (see ``spy_sdpa``).
+
+    Yields a dict that receives ``saved=True`` once the tensors are written.
+    """
+    state: dict[str, Any] = {"saved": False}
+
+    def observe(index: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        if index == call_index:
+            t = lambda x: x.transpose(1, 2)  # noqa: E731 - to [batch, tokens, heads, dim]
+            save_qkv(path, t(query), t(key), t(value), call_index=call_index, **meta)
+            state["saved"] = True
+
+    with spy_sdpa(observe):
+        yield state

@@ -1,8 +1,10 @@
-"""Benchmark reports: JSON (everything), Markdown (tables), PNG (skip speed-up against the ideal)."""
+"""Benchmark reports: JSON (everything), Markdown (tables), PNG (skip speed-up against the ideal); attention and end to end."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
+import importlib.util
 import json
 import platform
 import shlex
@@ -10,21 +12,34 @@ import subprocess
 import sys
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .suite import Settings, ShapeResult
 
-__all__ = ["environment", "write_json", "write_markdown", "write_plot"]
+if TYPE_CHECKING:
+    from .e2e import E2EOptions, E2ERow, ModelResult
+
+__all__ = ["environment", "write_json", "write_markdown", "write_plot", "write_e2e_json", "write_e2e_markdown"]
 
 
-def _version(module: str) -> str | None:
-    """Installed version of a distribution (sageattention has no ``__version__``), or None."""
+def _version(module: str, distribution: str | None = None) -> str | None:
+    """Installed version of ``distribution`` (default: the module's name), else the imported module's ``__version__``.
+
+    The distribution's metadata comes first: sageattention has no ``__version__``, and
+    FlashInfer's module is ``flashinfer`` but its distribution ``flashinfer-python``.
+    """
     try:
-        return importlib.metadata.version(module)
+        return importlib.metadata.version(distribution or module)
     except importlib.metadata.PackageNotFoundError:
-        return getattr(sys.modules.get(module), "__version__", None)
+        pass
+    if module not in sys.modules and importlib.util.find_spec(module) is None:
+        return None
+    try:
+        return getattr(importlib.import_module(module), "__version__", None)
+    except Exception:  # a broken optional install must not stop the report
+        return None
 
 
 def environment(device: str) -> dict[str, Any]:
@@ -35,9 +50,10 @@ def environment(device: str) -> dict[str, Any]:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
-        "flashinfer": _version("flashinfer"),
+        "flashinfer": _version("flashinfer", "flashinfer-python"),
         "triton": _version("triton"),
         "sageattention": _version("sageattention"),
+        "diffusers": _version("diffusers"),
         "diffusers_trtllm": _version("diffusers_trtllm"),
     }
     if torch.device(device).type == "cuda":
@@ -56,23 +72,38 @@ def environment(device: str) -> dict[str, Any]:
     return env
 
 
-def write_json(path: Path, env: dict[str, Any], settings: Settings, results: list[ShapeResult]) -> None:
-    data = {"environment": env, "settings": asdict(settings), "shapes": [asdict(r) for r in results]}
+def _dump(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=1, default=str))
+
+
+def write_json(path: Path, env: dict[str, Any], settings: Settings, results: list[ShapeResult]) -> None:
+    _dump(path, {"environment": env, "settings": asdict(settings), "shapes": [asdict(r) for r in results]})
+
+
+def write_e2e_json(path: Path, env: dict[str, Any], opts: "E2EOptions", models: list["ModelResult"],
+                   rows: list["E2ERow"]) -> None:
+    _dump(path, {"environment": env, "settings": asdict(opts), "models": [asdict(m) for m in models],
+                 "rows": [asdict(r) for r in rows]})
 
 
 def _fmt(x: float | None, spec: str) -> str:
     return "" if x is None else format(x, spec)
 
 
-def write_markdown(path: Path, env: dict[str, Any], settings: Settings, results: list[ShapeResult]) -> None:
-    lines = [
-        "# Attention benchmark",
+def _header(title: str, env: dict[str, Any]) -> list[str]:
+    return [
+        f"# {title}",
         "",
         f"GPU: {env.get('gpu') or 'none (CPU)'}, driver {env.get('driver')}, torch {env['torch']}, "
-        f"FlashInfer {env['flashinfer']}, Triton {env['triton']}, SageAttention {env['sageattention']}.",
+        f"FlashInfer {env['flashinfer']}, Triton {env['triton']}, Diffusers {env.get('diffusers')}, "
+        f"SageAttention {env['sageattention']}.",
         f"Command: `{env['command']}`",
         "",
+    ]
+
+
+def write_markdown(path: Path, env: dict[str, Any], settings: Settings, results: list[ShapeResult]) -> None:
+    lines = _header("Attention benchmark", env) + [
         f"Inputs: structured generator, locality {settings.locality}, seed {settings.seed}, {settings.dtype}. "
         "Time: median of CUDA-event timings after warm-up. TFLOP/s from 4·B·H·Sq·Skv·D. "
         "`vs cuDNN`: cuDNN SDPA time / this time (same run, same inputs). rel-L1 and cosine against fp32 dense "
@@ -106,13 +137,55 @@ def write_markdown(path: Path, env: dict[str, Any], settings: Settings, results:
     path.write_text("\n".join(lines))
 
 
+def write_e2e_markdown(path: Path, env: dict[str, Any], opts: "E2EOptions", models: list["ModelResult"],
+                       rows: list["E2ERow"]) -> None:
+    lines = _header("End-to-end benchmark: one transformer forward", env) + [
+        f"Published configs, random weights, batch 1, {opts.dtype}, normalized timestep t={opts.t} (skip-softmax on: "
+        "disabled_until_timestep 0). `ms`: median of "
+        f"{opts.iters} CUDA-event timings after the output forward and {opts.warmup} warm-up forward(s). "
+        "`vs stock`: stock time / this time, stock = Diffusers' own attention"
+        f"{' with cuDNN SDPA' if opts.stock_sdpa == 'cudnn' else ''} in the same process on the same inputs and "
+        "weights (the faster of its two timings, before and after the settings); compiled rows against stock "
+        "compiled. `rel-L1`: against the stock output of the same mode. `skipped`: the fraction of self/joint "
+        "attention tiles the reference skips at the row's threshold, on Q/K recorded from the stock forward "
+        f"({opts.ref_layers} calls x {opts.ref_heads} heads, fmha-v2 tiles); `route skipped`: the routes' own count "
+        "where they report one. `routes`: attention role -> routes taken (+skip, +sage: that feature ran). "
+        "Structured weights: local self-attention (bench.models.local_attention, contrast per model below).",
+        "",
+    ]
+    for m in models:
+        built = f"; built in {m.build_s:.1f} s" if m.build_s is not None else ""
+        lines += [f"## {m.model}", "", f"{m.description}{built}; structured contrast {_fmt(m.contrast, 'g')} nats."]
+        if m.error:
+            lines += ["", f"Not run: {m.error}"]
+        for weights, curve in m.skip_curve.items():
+            lines.append("")
+            lines.append(f"{weights} weights: skip threshold {_fmt(m.threshold.get(weights), '.3g')}; reference skipped "
+                         "fraction by threshold: " + ", ".join(f"{k}: {v:.1%}" for k, v in curve.items()))
+        lines += [
+            "",
+            "| weights | config | compiled | ms | vs stock | rel-L1 | skipped | route skipped | routes | note |",
+            "|---|---|---|---:|---:|---:|---:|---:|---|---|",
+        ]
+        for r in (r for r in rows if r.model == m.model):
+            routes = "; ".join(f"{role}: {route}" for role, route in r.routes.items())
+            config = r.config + (f" {r.threshold:.3g}" if r.threshold is not None else "")
+            lines.append(
+                f"| {r.weights} | {config} | {'yes' if r.compiled else 'no'} | {_fmt(r.ms, '.1f')} | "
+                f"{_fmt(r.vs_stock, '.3f')} | {_fmt(r.rel_l1, '.4f')} | {_fmt(r.skipped, '.1%')} | "
+                f"{_fmt(r.skipped_route, '.1%')} | {routes} | {(r.error or '').replace('|', '/')[:120]} |"
+            )
+        lines.append("")
+    path.write_text("\n".join(lines))
+
+
 def write_plot(path: Path, results: list[ShapeResult]) -> bool:
     """Speed-up over cuDNN against the reference's skipped fraction, with the ideal 1/(1 - s/2).
 
     Returns False (and writes nothing) when matplotlib is missing or no skip row was timed.
     """
     points = [
-        (res.shape["name"], r.impl, r.skipped_ref, r.vs_baseline)
+        (res.shape["name"], r.impl + (f" sage {r.quant}" if r.quant else ""), r.skipped_ref, r.vs_baseline)
         for res in results
         for r in res.rows
         if r.skipped_ref is not None and r.vs_baseline is not None

@@ -4,7 +4,8 @@ Per shape: make (or load) Q/K/V; compute fp32 dense attention and the skip
 statistics with the reference on a subsample of heads; pick skip thresholds
 (given, or found for target skipped fractions); then time the baseline (cuDNN
 SDPA on CUDA), the other external kernels, and every registered route on every
-configuration it can serve (dense, skip-softmax per threshold, SAGE int8/fp8),
+configuration it can serve (dense, skip-softmax per threshold, SAGE int8/fp8, SAGE
+with skip-softmax at each threshold),
 plus ``backend="auto"``.
 """
 
@@ -28,7 +29,7 @@ from .external import BASELINE_CPU, BASELINE_CUDA, external_impls
 from .inputs import Shape, structured_qkv
 from .timing import Timing, cosine, rel_l1, skipped_fraction, threshold_for, tile_criticals, time_fn
 
-__all__ = ["Settings", "Row", "run_suite", "available_routes", "SAGE_DTYPES"]
+__all__ = ["Settings", "Row", "run_suite", "available_routes", "reference_tile", "heads_subset", "warm_up", "SAGE_DTYPES"]
 
 SAGE_DTYPES = ("int8", "fp8_e4m3")
 
@@ -59,6 +60,8 @@ class Row:
     config: str
     threshold: float | None = None
     target_skip: float | None = None
+    #: SAGE ``dtype_qk`` of the configuration (None: bf16 Q/K).
+    quant: str | None = None
     ms: float | None = None
     iters: int | None = None
     tflops: float | None = None
@@ -75,17 +78,18 @@ class Row:
 
 @dataclass
 class Config:
-    kind: str  # "dense", "skip" or "sage"
+    kind: str  # "dense", "skip", "sage" or "sage+skip"
     threshold: float | None = None
     target_skip: float | None = None
     quant: str | None = None
 
     @property
     def label(self) -> str:
-        if self.kind == "skip":
+        parts = [f"sage {self.quant}"] if self.quant else []
+        if self.threshold is not None:
             target = f", target {self.target_skip:.0%}" if self.target_skip is not None else ""
-            return f"skip {self.threshold:.3g}{target}"
-        return f"sage {self.quant}" if self.kind == "sage" else "dense"
+            parts.append(f"skip {self.threshold:.3g}{target}")
+        return " + ".join(parts) or "dense"
 
 
 @dataclass
@@ -112,15 +116,17 @@ def available_routes() -> tuple[list[str], str | None]:
         return list(routes_mod._ORDER), "; ".join(failed) or str(err)
 
 
-def _ref_tile(settings: Settings, head_dim: int) -> tuple[int, int]:
-    if settings.ref_tile is not None:
-        return settings.ref_tile
+def reference_tile(head_dim: int, override: tuple[int, int] | None = None) -> tuple[int, int]:
+    """Tiles of the skip statistics: ``override``, else fmha-v2's SM90 tiles (query rows, keys)."""
+    if override is not None:
+        return override
     from ..kernels.fmha_v2 import Q_STEP, kv_step
 
     return (Q_STEP, kv_step(head_dim))
 
 
-def _heads_subset(heads: int, n: int) -> list[int]:
+def heads_subset(heads: int, n: int) -> list[int]:
+    """``n`` head indices spread over ``range(heads)`` (first and last included)."""
     n = max(1, min(n, heads))
     return sorted({round(i * (heads - 1) / max(n - 1, 1)) for i in range(n)})
 
@@ -135,9 +141,9 @@ class _Shape:
         self.layout = PackedLayout.dense(b, q.shape[1], k.shape[1], self.device)
         self.qp, self.kp, self.vp = (self.layout.pack_q(q), self.layout.pack_kv(k), self.layout.pack_kv(v))
         self.scale = 1.0 / math.sqrt(q.shape[-1])
-        self.heads = _heads_subset(q.shape[2], settings.ref_heads)
+        self.heads = heads_subset(q.shape[2], settings.ref_heads)
         self.head_idx = torch.tensor(self.heads, device=self.device)
-        self.tile = _ref_tile(settings, q.shape[-1])
+        self.tile = reference_tile(q.shape[-1], settings.ref_tile)
         self.ref = self.reference().out
         self.crit = torch.cat(
             [
@@ -195,7 +201,10 @@ def _configs(s: _Shape, settings: Settings) -> list[Config]:
         lam = threshold_for(s.crit, target)
         if lam is not None:
             configs.append(Config("skip", threshold=lam, target_skip=target))
+    skips = [c for c in configs if c.kind == "skip"]
     configs += [Config("sage", quant=d) for d in SAGE_DTYPES]
+    # SAGE and skip-softmax together, on the routes that serve both.
+    configs += [Config("sage+skip", c.threshold, c.target_skip, d) for d in SAGE_DTYPES for c in skips]
     return configs
 
 
@@ -227,7 +236,7 @@ def run_shape(
             continue
         try:
             r = s.reference(cfg.threshold, cfg.quant)
-            skipped = r.skipped_fraction if cfg.kind == "skip" else None
+            skipped = r.skipped_fraction if cfg.threshold is not None else None
             refs[cfg.label] = (skipped, rel_l1(r.out.float(), s.ref))
         except Exception as err:
             refs[cfg.label] = (None, None)
@@ -239,7 +248,7 @@ def run_shape(
 
     def measure(impl: str, cfg: Config, fn: Callable[[], torch.Tensor]) -> None:
         nonlocal baseline_ms
-        row = Row(shape.name, impl, cfg.label, cfg.threshold, cfg.target_skip)
+        row = Row(shape.name, impl, cfg.label, cfg.threshold, cfg.target_skip, cfg.quant)
         row.skipped_ref, row.ref_rel_l1 = refs.get(cfg.label, (None, None))
         if row.skipped_ref is not None:
             row.ideal_speedup = 1.0 / (1.0 - row.skipped_ref / 2.0)
@@ -303,7 +312,7 @@ def run_shape(
     # backend="auto": the route the library picks for dense and skip work.
     if _wanted("auto", settings, baseline_name):
         for cfg in configs:
-            if cfg.kind == "sage":
+            if cfg.quant:
                 continue
             call = s.call(cfg)
             try:
@@ -327,7 +336,7 @@ def run_shape(
     return result
 
 
-def _warm_up(device: torch.device, seconds: float = 2.0) -> None:
+def warm_up(device: torch.device, seconds: float = 2.0) -> None:
     """Run matrix products for a while so the first timed kernel does not meet idle clocks."""
     if device.type != "cuda":
         return
@@ -351,7 +360,7 @@ def run_suite(
     from tqdm.auto import tqdm
 
     deadline = time.monotonic() + settings.time_limit
-    _warm_up(torch.device(settings.device))
+    warm_up(torch.device(settings.device))
     results: list[ShapeResult] = []
     bar = tqdm(total=len(shapes), disable=not show_progress, unit="shape")
     for shape in shapes:

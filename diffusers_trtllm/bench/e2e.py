@@ -1,0 +1,555 @@
+"""End-to-end benchmark: one transformer forward of full-size models, stock Diffusers against each processor setting.
+
+``python -m diffusers_trtllm.bench e2e --help``. Per model (built once from its
+published config with random weights, see :mod:`.models`), per weights kind
+(``random``; ``structured``: local self-attention from ``models.local_attention``)
+and per mode (eager; ``--compile``): the stock forward (Diffusers with cuDNN SDPA)
+is run and timed first, then every processor setting is installed on the same
+model, run once for its output and routes, and timed; the stock forward is timed
+again at the end and the faster of the two stock times is the baseline. Between
+settings the stock processors are put back, so every setting starts from stock.
+
+The skipped fraction is the reference's: the stock eager forward records, on a
+sample of self/joint attention calls and heads, every tile's critical threshold
+(``timing.tile_criticals``, fmha-v2's tiles), which gives the fraction skipped at
+any threshold without running anything again. Routes that count skipped tiles
+(``collect_stats``) also report their own count (``skipped_route``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from .. import families
+from .inputs import spy_sdpa
+from .models import MODELS, ModelSpec, build_model, local_attention, model_inputs
+from .suite import heads_subset, reference_tile, warm_up
+from .timing import rel_l1, skipped_fraction, threshold_for, tile_criticals, time_fn
+
+__all__ = ["ProcessorSetting", "SETTINGS", "E2EOptions", "E2ERow", "ModelResult", "run_e2e", "probe", "processor_summary", "main"]
+
+log = logging.getLogger("diffusers_trtllm.bench")
+
+#: The skip settings' threshold; each model's default structured contrast (``ModelSpec.contrast``)
+#: skips about half the self-attention tiles at it (``--probe``, benchmarks/README.md).
+DEFAULT_THRESHOLD = 0.05
+PROBE_CONTRASTS = (0.0, 16.0, 32.0, 48.0, 64.0)
+PROBE_THRESHOLDS = (1e-3, 3e-3, 1e-2, 3e-2, 5e-2, 0.1, 0.2, 0.3)
+PROBE_TARGETS = (0.4, 0.5, 0.6, 0.7)
+
+
+@dataclass(frozen=True)
+class ProcessorSetting:
+    """One row's attention: stock Diffusers, or ``TrtllmAttnProcessor`` with SAGE and/or skip-softmax."""
+
+    name: str
+    quant: str | None = None
+    skip: bool = False
+    stock: bool = False
+
+    def processor_kwargs(self, threshold: float, backend: str) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {"backend": backend}
+        if self.quant:
+            kwargs["quant"] = {"dtype_qk": self.quant}
+        if self.skip:
+            kwargs.update(skip_softmax_threshold=threshold, disabled_until_timestep=0.0)
+        return kwargs
+
+
+SETTINGS: dict[str, ProcessorSetting] = {
+    s.name: s
+    for s in (
+        ProcessorSetting("stock", stock=True),
+        ProcessorSetting("dense"),
+        ProcessorSetting("sage-int8", quant="int8"),
+        ProcessorSetting("sage-fp8", quant="fp8_e4m3"),
+        ProcessorSetting("skip", skip=True),
+        ProcessorSetting("sage-int8+skip", quant="int8", skip=True),
+        ProcessorSetting("sage-fp8+skip", quant="fp8_e4m3", skip=True),
+    )
+}
+WEIGHTS = ("random", "structured")
+COMPILE_MODES = ("off", "full", "regional")
+
+
+@dataclass
+class E2EOptions:
+    models: tuple[str, ...] = tuple(MODELS)
+    configs: tuple[str, ...] = tuple(SETTINGS)
+    weights: tuple[str, ...] = WEIGHTS
+    #: Structured weights' contrast (nats, ``models.local_attention``); None: each model's default.
+    contrast: float | None = None
+    threshold: float = DEFAULT_THRESHOLD
+    #: When set, the skip threshold is the one at which the reference skips this fraction (per model).
+    target_skip: float | None = None
+    #: Normalized timestep of the forward (1 = noise); skip-softmax is on at every t here.
+    t: float = 0.5
+    backend: str = "auto"
+    device: str = "cuda"
+    dtype: str = "bfloat16"
+    seed: int = 0
+    warmup: int = 1
+    iters: int = 3
+    compile: str = "off"
+    compile_backend: str = "inductor"
+    eager: bool = True
+    #: SDPA kernel of the stock forward on CUDA: "cudnn" (preferred, others as fallback) or torch's "default".
+    stock_sdpa: str = "cudnn"
+    ref_layers: int = 4
+    ref_heads: int = 4
+    tiny: bool = False
+    time_limit: float = math.inf
+
+
+@dataclass
+class E2ERow:
+    model: str
+    weights: str
+    config: str
+    compiled: bool
+    threshold: float | None = None
+    ms: float | None = None
+    iters: int | None = None
+    vs_stock: float | None = None
+    rel_l1: float | None = None
+    #: Reference's skipped-tile fraction of the self/joint calls at ``threshold`` (0 when they ran dense).
+    skipped: float | None = None
+    #: Skipped tiles / tiles over the calls whose route counted them (``collect_stats``), eager only.
+    skipped_route: float | None = None
+    #: Attention role -> routes its calls took (``+skip``: skip-softmax on; ``+sage``: quantized).
+    routes: dict[str, str] = field(default_factory=dict)
+    error: str | None = None
+
+
+@dataclass
+class ModelResult:
+    model: str
+    description: str
+    build_s: float | None = None
+    #: Contrast of the structured weights (nats).
+    contrast: float | None = None
+    #: Weights kind -> threshold ("%.3g") -> reference's skipped fraction of the sampled self/joint calls.
+    skip_curve: dict[str, dict[str, float]] = field(default_factory=dict)
+    #: Weights kind -> skip settings' threshold.
+    threshold: dict[str, float | None] = field(default_factory=dict)
+    error: str | None = None
+
+
+def processor_summary(proc: Any) -> tuple[dict[str, str], float | None, bool]:
+    """From a processor's per-layer records: role -> routes, the routes' own skipped fraction, whether self/joint skipped.
+
+    The one place that reads ``proc.layers[i].role`` and ``.records`` (fields ``route``,
+    ``sparse``, ``sage``, ``skipped_tiles``, ``total_tiles``).
+    """
+    routes: dict[str, set[str]] = {}
+    skipped = tiles = 0
+    sparse_self = False
+    for layer in proc.layers:
+        for rec in layer.records:
+            routes.setdefault(layer.role, set()).add(rec.route + ("+skip" if rec.sparse else "") + ("+sage" if rec.sage else ""))
+            sparse_self |= rec.sparse and layer.role != "cross"
+            if rec.total_tiles:
+                skipped += rec.skipped_tiles or 0
+                tiles += rec.total_tiles
+    return {role: ",".join(sorted(r)) for role, r in sorted(routes.items())}, (skipped / tiles if tiles else None), sparse_self
+
+
+class _Enough(Exception):
+    """Raised by the probe's SDPA spy once it has what it needs, to stop the forward."""
+
+
+class _SkipStatistics:
+    """SDPA spy: tile criticals of every ``every``-th self/joint call (queries == keys) on a heads subsample."""
+
+    def __init__(self, every: int, max_calls: int, heads: int, stop: bool = False) -> None:
+        self.every, self.max_calls, self.heads, self.stop = max(every, 1), max_calls, heads, stop
+        self.self_calls = 0
+        self.crits: list[torch.Tensor] = []
+
+    def __call__(self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        if q.shape[-2] != k.shape[-2] or len(self.crits) >= self.max_calls:
+            return
+        i, self.self_calls = self.self_calls, self.self_calls + 1
+        if i % self.every:
+            return
+        idx = torch.tensor(heads_subset(q.shape[1], self.heads), device=q.device)
+        qs, ks = (x[0].index_select(0, idx).transpose(0, 1) for x in (q, k))  # [tokens, heads, dim]
+        self.crits.append(tile_criticals(qs, ks, q.shape[-1] ** -0.5, *reference_tile(q.shape[-1])))
+        if self.stop and len(self.crits) >= self.max_calls:
+            raise _Enough
+
+    def criticals(self) -> torch.Tensor | None:
+        return torch.cat(self.crits, dim=0) if self.crits else None
+
+
+def _self_attention_calls(model: torch.nn.Module) -> int:
+    """Self/joint attention modules of ``model`` (calls per forward whose queries are the keys)."""
+    count = 0
+    for key in model.attn_processors:
+        name = key.removesuffix(".processor")
+        count += families.infer_role(name, model.get_submodule(name), None) != "cross"
+    return count
+
+
+def _skip_curve(crit: torch.Tensor | None) -> dict[str, float]:
+    return {} if crit is None else {f"{lam:.3g}": skipped_fraction(crit, lam) for lam in PROBE_THRESHOLDS}
+
+
+def _sdpa_context(choice: str, device: torch.device) -> contextlib.AbstractContextManager:
+    """cuDNN first for torch SDPA (others kept as fallback) on CUDA; nothing elsewhere or for ``default``."""
+    if device.type != "cuda" or choice == "default":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    return sdpa_kernel(order, set_priority=True)
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+class _ModelBench:
+    """One built model with its inputs: runs and times every setting on it."""
+
+    def __init__(self, spec: ModelSpec, opts: E2EOptions, result: ModelResult, rows: list[E2ERow]) -> None:
+        self.spec, self.opts, self.result, self.rows = spec, opts, result, rows
+        self.device, self.dtype = torch.device(opts.device), getattr(torch, opts.dtype)
+        start = time.monotonic()
+        self.model = build_model(spec, device=self.device, dtype=self.dtype, seed=opts.seed,
+                                 variant="tiny" if opts.tiny else "full")
+        self.inputs = model_inputs(spec, self.model, t=opts.t, device=self.device, dtype=self.dtype, seed=opts.seed,
+                                   tiny=opts.tiny)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        result.build_s = time.monotonic() - start
+        self.stock = dict(self.model.attn_processors)
+        self.runner: Callable[..., Any] = self.model
+        self.crits: dict[str, torch.Tensor | None] = {}
+
+    def forward(self) -> torch.Tensor:
+        with torch.no_grad(), _sdpa_context(self.opts.stock_sdpa, self.device):
+            return self.runner(**self.inputs)[0]
+
+    def time(self) -> tuple[float, int]:
+        t = time_fn(self.forward, self.device, warmup=self.opts.warmup, iters=self.opts.iters, max_seconds=3600.0)
+        return t.median_ms, t.iters
+
+    def install(self, setting: ProcessorSetting, threshold: float, collect_stats: bool = False) -> Any:
+        """Stock processors back, then (unless stock) a fresh processor for ``setting``; returns it."""
+        from .. import TrtllmAttnProcessor
+
+        self.model.set_attn_processor(dict(self.stock))  # Diffusers pops from the dict
+        if self.opts.compile != "off":
+            torch._dynamo.reset()  # a new processor means new guards: start from no graphs, not a recompile chain
+        if setting.stock:
+            return None
+        proc = TrtllmAttnProcessor(**setting.processor_kwargs(threshold, self.opts.backend), collect_stats=collect_stats)
+        self.model.set_attn_processor(proc)
+        proc.set_timestep(self.opts.t)
+        return proc
+
+    def compile(self) -> None:
+        opts = self.opts
+        if opts.compile == "regional":
+            # Each block names its layer with an int attribute; without this every block recompiles.
+            torch._dynamo.config.allow_unspec_int_on_nn_module = True
+            self.model.compile_repeated_blocks(backend=opts.compile_backend)
+        else:
+            self.runner = torch.compile(self.model, backend=opts.compile_backend)
+
+    def run_pass(self, weights: str, compiled: bool, deadline: float, tick: Callable[[], None]) -> None:
+        """Every configured setting once, for one weights kind and mode; rows are appended as they finish."""
+        opts, spec = self.opts, self.spec
+        settings = [SETTINGS[name] for name in opts.configs]
+        stock_setting = SETTINGS["stock"]
+        if stock_setting not in settings:
+            settings.insert(0, stock_setting)
+        pass_rows: list[E2ERow] = []
+        stock_out: torch.Tensor | None = None
+        stock_ms: list[float] = []
+        threshold = self.result.threshold.get(weights, opts.threshold)
+        for setting in settings:
+            row = E2ERow(spec.name, weights, setting.name, compiled, threshold if setting.skip else None)
+            pass_rows.append(row)
+            self.rows.append(row)
+            if time.monotonic() > deadline:
+                row.error = "not run: time limit reached"
+                tick()
+                continue
+            try:
+                if setting.stock:
+                    self.install(setting, threshold)
+                    if compiled or weights in self.crits:
+                        stock_out = self.forward()
+                    else:
+                        stats = _SkipStatistics(
+                            _self_attention_calls(self.model) // max(opts.ref_layers, 1), opts.ref_layers, opts.ref_heads
+                        )
+                        with spy_sdpa(stats):
+                            stock_out = self.forward()
+                        crit = self.crits[weights] = stats.criticals()
+                        self.result.skip_curve[weights] = _skip_curve(crit)
+                        if opts.target_skip is not None and crit is not None:
+                            threshold = threshold_for(crit, opts.target_skip) or opts.threshold
+                        self.result.threshold[weights] = threshold
+                    row.ms, row.iters = self.time()
+                    row.rel_l1 = 0.0
+                    stock_ms.append(row.ms)
+                else:
+                    self._run_setting(row, setting, threshold, compiled, stock_out)
+            except Exception as err:  # one failing setting must not stop the others
+                row.error = f"{type(err).__name__}: {str(err)[:400]}"
+                log.warning("%s %s %s: %s", spec.name, weights, setting.name, row.error)
+            finally:
+                _free(self.device)
+            tick()
+        # The stock forward again, so clock drift during the pass cannot favour later rows.
+        if stock_ms and time.monotonic() <= deadline:
+            try:
+                self.install(stock_setting, threshold)
+                stock_ms.append(self.time()[0])
+            except Exception as err:
+                log.warning("%s %s stock (again): %s", spec.name, weights, err)
+        if stock_ms:
+            base = min(stock_ms)
+            for row in pass_rows:
+                row.vs_stock = None if row.ms is None else base / row.ms
+        self.model.set_attn_processor(dict(self.stock))  # Diffusers pops from the dict
+
+    def _run_setting(self, row: E2ERow, setting: ProcessorSetting, threshold: float, compiled: bool,
+                     stock_out: torch.Tensor | None) -> None:
+        # Eager: the output forward also counts skipped tiles where a route can (a sync per call, so not timed).
+        proc = self.install(setting, threshold, collect_stats=setting.skip and not compiled)
+        out = self.forward()
+        if stock_out is not None:
+            row.rel_l1 = rel_l1(out.float(), stock_out.float())
+        del out
+        row.routes, row.skipped_route, sparse_self = processor_summary(proc)
+        crit = self.crits.get(row.weights)
+        if setting.skip and crit is not None:
+            row.skipped = skipped_fraction(crit, threshold) if sparse_self else 0.0
+        if setting.skip and not compiled:
+            self.install(setting, threshold)  # timed without the counting
+        row.ms, row.iters = self.time()
+
+    def close(self) -> None:
+        self.model.set_attn_processor(dict(self.stock))  # Diffusers pops from the dict
+        del self.model, self.runner, self.inputs
+        if self.opts.compile != "off":
+            torch._dynamo.reset()
+        _free(self.device)
+
+
+def run_e2e(
+    opts: E2EOptions,
+    *,
+    on_item_done: Callable[[list[ModelResult], list[E2ERow]], None] = lambda *_: None,
+    show_progress: bool = True,
+) -> tuple[list[ModelResult], list[E2ERow]]:
+    """Every model x weights kind x mode x setting within ``opts.time_limit`` seconds; report after each item."""
+    from tqdm.auto import tqdm
+
+    _check(opts)
+    deadline = time.monotonic() + opts.time_limit
+    device = torch.device(opts.device)
+    warm_up(device)
+    modes = ([False] if opts.eager else []) + ([True] if opts.compile != "off" else [])
+    configs = len(set(opts.configs) | {"stock"})
+    bar = tqdm(total=len(opts.models) * len(opts.weights) * len(modes) * configs, disable=not show_progress, unit="item")
+    results: list[ModelResult] = []
+    rows: list[E2ERow] = []
+
+    def tick() -> None:
+        bar.update(1)
+        on_item_done(results, rows)
+
+    for name in opts.models:
+        spec = MODELS[name]
+        result = ModelResult(name, spec.describe(opts.tiny), contrast=opts.contrast or spec.contrast)
+        results.append(result)
+        if time.monotonic() > deadline:
+            result.error = "not run: time limit reached"
+            bar.update(len(opts.weights) * len(modes) * configs)
+            on_item_done(results, rows)
+            continue
+        bar.set_description(f"{name}: build")
+        try:
+            bench = _ModelBench(spec, opts, result, rows)
+        except Exception as err:
+            result.error = f"{type(err).__name__}: {str(err)[:400]}"
+            log.warning("%s: %s", name, result.error)
+            bar.update(len(opts.weights) * len(modes) * configs)
+            on_item_done(results, rows)
+            _free(device)
+            continue
+        try:
+            for compiled in modes:
+                if compiled:
+                    bench.compile()
+                for weights in opts.weights:
+                    bar.set_description(f"{name}: {weights}{' compiled' if compiled else ''}")
+                    structure = (local_attention(bench.model, result.contrast, seed=opts.seed) if weights == "structured"
+                                 else contextlib.nullcontext())
+                    with structure:
+                        bench.run_pass(weights, compiled, deadline, tick)
+        finally:
+            bench.close()
+    bar.close()
+    return results, rows
+
+
+def _check(opts: E2EOptions) -> None:
+    for label, values, known in (("models", opts.models, MODELS), ("configs", opts.configs, SETTINGS),
+                                 ("weights", opts.weights, WEIGHTS)):
+        unknown = [v for v in values if v not in known]
+        if unknown:
+            raise ValueError(f"unknown {label} {unknown}; choose from {', '.join(known)}.")
+    if opts.compile not in COMPILE_MODES:
+        raise ValueError(f"compile must be one of {COMPILE_MODES}; got {opts.compile!r}.")
+    if not opts.eager and opts.compile == "off":
+        raise ValueError("--no-eager leaves nothing to run without --compile full|regional.")
+    if not 0.0 <= opts.t <= 1.0:
+        raise ValueError(f"t is a normalized timestep in [0, 1]; got {opts.t!r}.")
+
+
+def probe(
+    models: tuple[str, ...],
+    contrasts: tuple[float, ...],
+    *,
+    device: str = "cpu",
+    dtype: str = "bfloat16",
+    seed: int = 0,
+    ref_heads: int = 4,
+    t: float = 0.5,
+) -> dict[str, dict[str, Any]]:
+    """Skipped fraction per threshold of each model's structured self-attention, without a GPU.
+
+    Builds the ``probe`` variant (one block, two heads, the published head dim, RoPE
+    and token grid), makes its attention local with each ``contrast`` (0: random
+    weights), runs the forward up to the first self/joint attention call and
+    computes that call's tile criticals. Returns ``{model: {contrast: {"curve":
+    {threshold: fraction}, "thresholds": {target: threshold}}}}``.
+    """
+    out: dict[str, dict[str, Any]] = {}
+    torch_dtype = getattr(torch, dtype)
+    for name in models:
+        spec = MODELS[name]
+        model = build_model(spec, device=device, dtype=torch_dtype, seed=seed, variant="probe")
+        inputs = model_inputs(spec, model, t=t, device=device, dtype=torch_dtype, seed=seed)
+        out[name] = {}
+        for contrast in contrasts:
+            stats = _SkipStatistics(1, 1, ref_heads, stop=True)
+            structure = local_attention(model, contrast, seed=seed) if contrast > 0 else contextlib.nullcontext()
+            with structure, spy_sdpa(stats), torch.no_grad(), contextlib.suppress(_Enough):
+                model(**inputs)
+            crit = stats.criticals()
+            out[name][f"{contrast:g}"] = {
+                "curve": _skip_curve(crit),
+                "thresholds": {f"{s:.0%}": None if crit is None else threshold_for(crit, s) for s in PROBE_TARGETS},
+            }
+        del model
+        _free(torch.device(device))
+    return out
+
+
+def format_probe(data: dict[str, dict[str, Any]]) -> str:
+    lines = []
+    for name, by_contrast in data.items():
+        lines.append(f"{name}: skipped fraction of self/joint tiles by threshold (columns), per contrast (rows)")
+        lines.append(f"{'contrast':>8}  " + "  ".join(f"{lam:>6.3g}" for lam in PROBE_THRESHOLDS)
+                     + "   threshold for " + ", ".join(f"{s:.0%}" for s in PROBE_TARGETS))
+        for contrast, d in by_contrast.items():
+            curve = "  ".join(f"{d['curve'].get(f'{lam:.3g}', math.nan):6.1%}" for lam in PROBE_THRESHOLDS)
+            targets = ", ".join("-" if v is None else f"{v:.3g}" for v in d["thresholds"].values())
+            lines.append(f"{contrast:>8}  {curve}   {targets}")
+    return "\n".join(lines)
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in text.split(",") if x.strip())
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m diffusers_trtllm.bench e2e", description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", type=_names, default=tuple(MODELS), help=f"comma-separated, from {', '.join(MODELS)}")
+    p.add_argument("--configs", type=_names, default=tuple(SETTINGS),
+                   help=f"processor settings, from {', '.join(SETTINGS)} (stock always runs)")
+    p.add_argument("--weights", type=_names, default=WEIGHTS, help="random and/or structured (local self-attention)")
+    p.add_argument("--contrast", type=_floats, default=None,
+                   help="structured weights' score contrast in nats (models.local_attention; default: per model); "
+                        f"a list with --probe (default {','.join(f'{c:g}' for c in PROBE_CONTRASTS)})")
+    p.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD, help="skip-softmax threshold of the skip settings")
+    p.add_argument("--target-skip", type=float, default=None,
+                   help="instead: per model and weights, the threshold at which the reference skips this fraction")
+    p.add_argument("--t", type=float, default=0.5, help="normalized timestep of the forward (skip is on at any t)")
+    p.add_argument("--backend", default="auto", help="the processor's backend (route name or auto)")
+    p.add_argument("--compile", nargs="?", const="full", default="off", choices=COMPILE_MODES,
+                   help="also time under torch.compile: whole model (full, the default of --compile) or repeated "
+                        "blocks (regional)")
+    p.add_argument("--compile-backend", default="inductor")
+    p.add_argument("--no-eager", action="store_true", help="only the compiled rows")
+    p.add_argument("--stock-sdpa", default="cudnn", choices=["cudnn", "default"])
+    p.add_argument("--tiny", action="store_true", help="tiny versions of the models (CPU tests)")
+    p.add_argument("--probe", action="store_true",
+                   help="print the structured weights' skipped fraction per threshold (one reduced forward; CPU is fine)")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="output folder")
+    p.add_argument("--name", default="e2e", help="file stem of the outputs (NAME.json, NAME.md)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", type=int, default=1, help="untimed forwards after the output forward")
+    p.add_argument("--iters", type=int, default=3, help="timed forwards (median)")
+    p.add_argument("--ref-layers", type=int, default=4, help="self/joint attention calls sampled for the skip statistics")
+    p.add_argument("--ref-heads", type=int, default=4, help="heads per sampled call")
+    p.add_argument("--time-limit", type=float, default=math.inf, help="stop starting new items after this many seconds")
+    p.add_argument("--no-progress", action="store_true")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> Path | None:
+    from .report import environment, write_e2e_json, write_e2e_markdown
+
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    if args.probe:
+        print(format_probe(probe(args.models, args.contrast or PROBE_CONTRASTS, device=args.device, dtype=args.dtype, seed=args.seed,
+                                 ref_heads=args.ref_heads, t=args.t)))
+        return None
+    if args.contrast is not None and len(args.contrast) != 1:
+        raise SystemExit("--contrast takes one value outside --probe.")
+    opts = E2EOptions(
+        models=args.models, configs=args.configs, weights=args.weights,
+        contrast=args.contrast[0] if args.contrast else None,
+        threshold=args.threshold, target_skip=args.target_skip, t=args.t, backend=args.backend, device=args.device,
+        dtype=args.dtype, seed=args.seed, warmup=args.warmup, iters=args.iters, compile=args.compile,
+        compile_backend=args.compile_backend, eager=not args.no_eager, stock_sdpa=args.stock_sdpa,
+        ref_layers=args.ref_layers, ref_heads=args.ref_heads, tiny=args.tiny, time_limit=args.time_limit,
+    )
+    args.out.mkdir(parents=True, exist_ok=True)
+    env = environment(args.device)
+    stem = args.out / args.name
+
+    def save(results: list[ModelResult], rows: list[E2ERow]) -> None:  # after every item: a cut run keeps its rows
+        write_e2e_json(stem.with_suffix(".json"), env, opts, results, rows)
+        write_e2e_markdown(stem.with_suffix(".md"), env, opts, results, rows)
+
+    results, rows = run_e2e(opts, on_item_done=save, show_progress=not args.no_progress)
+    save(results, rows)
+    return stem.with_suffix(".json")
