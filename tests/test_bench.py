@@ -33,6 +33,11 @@ def test_harness_runs_on_cpu(tmp_path):
     target = next(r for r in skip_rows if r["target_skip"] == 0.25)
     assert target["skipped_ref"] >= 0.25
     assert any(r["config"] == "sage int8" and r["ref_rel_l1"] < 0.1 for r in shape["rows"])
+    # SAGE and skip-softmax together, at every threshold, on the routes that serve both.
+    both = [r for r in shape["rows"] if r["impl"] == "reference" and r["quant"] and r["threshold"] is not None]
+    assert {(r["quant"], r["target_skip"]) for r in both} == {(q, t) for q in ("int8", "fp8_e4m3") for t in (None, 0.25)}
+    assert all(r["config"].startswith(f"sage {r['quant']} + skip") and r["skipped_ref"] is not None for r in both)
+    assert not any(r["impl"].startswith("auto") and r["quant"] for r in shape["rows"])
     assert shape["not_run"]["sdpa skip"] == "no skip-softmax"  # a route that cannot serve a config says why
     md = (tmp_path / "bench.md").read_text()
     assert "| torch-sdpa | dense |" in md and "Not run" in md
@@ -87,3 +92,20 @@ def test_parse_shapes():
     assert (custom.batch, custom.tokens, custom.heads, custom.head_dim) == (2, 100, 4, 64)
     with pytest.raises(ValueError, match="unknown shape"):
         parse_shapes("nope")
+
+
+def test_environment_names_flashinfer_by_its_distribution(monkeypatch):
+    import importlib.metadata
+
+    from diffusers_trtllm.bench import report
+
+    real = importlib.metadata.version
+
+    def version(name):
+        if name == "flashinfer-python":
+            return "0.7.4"
+        return real(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    env = report.environment("cpu")
+    assert env["flashinfer"] == "0.7.4" and env["diffusers"]

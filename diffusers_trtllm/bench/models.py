@@ -50,9 +50,13 @@ class ModelSpec:
     #: threshold 0.05 (``e2e --probe`` on the CPU, benchmarks/README.md).
     contrast: float = 32.0
 
-    def describe(self, tiny: bool = False) -> str:
+    def describe(self, variant: str = "full") -> str:
+        tiny = variant == "tiny"
         latent = self.tiny_latent if tiny else self.latent
-        return f"{self.class_name}, latent {'x'.join(map(str, latent))}, {self.tiny_text_tokens if tiny else self.text_tokens} text tokens"
+        overrides = {"tiny": self.tiny_config, "probe": self.probe_config}.get(variant, {})
+        changed = f" ({variant}: {', '.join(f'{k}={v}' for k, v in overrides.items())})" if overrides else ""
+        text = self.tiny_text_tokens if tiny else self.text_tokens
+        return f"{self.class_name}{changed}, latent {'x'.join(map(str, latent))}, {text} text tokens"
 
 
 _WAN_21 = {
@@ -157,10 +161,14 @@ def model_inputs(
     dtype: torch.dtype,
     seed: int = 0,
     tiny: bool = False,
+    latent: tuple[int, ...] | None = None,
 ) -> dict[str, Any]:
-    """Seeded keyword inputs of one forward (batch 1), as the family's pipeline passes them."""
+    """Seeded keyword inputs of one forward (batch 1), as the family's pipeline passes them.
+
+    ``latent`` replaces the spec's latent shape (full or ``tiny``).
+    """
     cfg = model.config
-    latent = spec.tiny_latent if tiny else spec.latent
+    latent = latent or (spec.tiny_latent if tiny else spec.latent)
     text = spec.tiny_text_tokens if tiny else spec.text_tokens
     gen = torch.Generator(device=device).manual_seed(seed)
 

@@ -1,0 +1,123 @@
+"""The end-to-end benchmark on tiny versions of its model families (CPU), and its structured weights."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from diffusers_trtllm.bench.__main__ import main
+from diffusers_trtllm.bench.e2e import SETTINGS, E2EOptions, _SkipStatistics, format_probe, probe, run_e2e
+from diffusers_trtllm.bench.inputs import spy_sdpa
+from diffusers_trtllm.bench.models import MODELS, build_model, local_attention, model_inputs
+from diffusers_trtllm.bench.timing import skipped_fraction
+
+ROW_FIELDS = {"model", "weights", "config", "ms", "vs_stock", "rel_l1", "skipped", "compiled", "routes", "threshold"}
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny forwards are dominated by thread hand-offs on a busy CI machine: one thread is faster."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_e2e_tiny_models_on_cpu(tmp_path, one_thread):
+    configs = ["dense", "sage-int8", "skip", "sage-fp8+skip"]
+    out = main(["e2e", "--tiny", "--device", "cpu", "--backend", "reference", "--configs", ",".join(configs),
+                "--warmup", "0", "--iters", "1", "--out", str(tmp_path), "--name", "e2e", "--no-progress"])
+    data = json.loads(out.read_text())
+    env = data["environment"]
+    assert env["torch"] == torch.__version__ and env["diffusers"] and "flashinfer" in env and "e2e" in env["command"]
+    rows = data["rows"]
+    assert len(rows) == len(MODELS) * 2 * (1 + len(configs))  # models x weights x (stock + settings)
+    for row in rows:
+        assert ROW_FIELDS <= set(row) and row["error"] is None, row
+        assert row["ms"] > 0 and row["vs_stock"] > 0 and row["rel_l1"] is not None and row["compiled"] is False
+    by_key = {(r["model"], r["weights"], r["config"]): r for r in rows}
+    wan_skip = by_key[("wan2.1-t2v-14b", "structured", "skip")]
+    assert wan_skip["threshold"] == 0.05 and wan_skip["skipped"] is not None
+    assert wan_skip["routes"] == {"cross": "reference+skip", "self": "reference+skip"}
+    assert by_key[("flux.1-dev", "random", "sage-int8")]["routes"]["joint"] == "reference+sage"
+    stock = by_key[("flux.1-dev", "random", "stock")]
+    assert stock["rel_l1"] == 0.0 and stock["routes"] == {} and stock["skipped"] is None
+    assert by_key[("wan2.1-t2v-1.3b", "random", "dense")]["rel_l1"] < 0.02
+    for m in data["models"]:
+        assert m["error"] is None and m["build_s"] > 0 and set(m["skip_curve"]) == {"random", "structured"}
+        assert m["contrast"] == MODELS[m["model"]].contrast and m["threshold"]["structured"] == 0.05
+    md = (tmp_path / "e2e.md").read_text()
+    assert "| weights | config | compiled | ms | vs stock |" in md
+    assert all(f"## {name}" in md for name in MODELS) and "| structured | sage-fp8+skip 0.05 | no |" in md
+
+
+def test_e2e_compiled_rows_and_time_limit(tmp_path, one_thread):
+    opts = E2EOptions(models=("flux.1-dev",), configs=("dense",), weights=("structured",), device="cpu",
+                      backend="reference", warmup=0, iters=1, compile="full", compile_backend="eager", eager=False,
+                      variant="tiny")
+    models, rows = run_e2e(opts, show_progress=False)
+    assert [(r.config, r.compiled, r.error) for r in rows] == [("stock", True, None), ("dense", True, None)]
+    assert rows[1].routes and rows[1].vs_stock > 0
+    assert "structured" not in models[0].skip_curve  # statistics come from the eager stock forward only
+    seen = []
+    models, rows = run_e2e(E2EOptions(device="cpu", variant="tiny", time_limit=0.0), show_progress=False,
+                           on_item_done=lambda m, r: seen.append(len(m)))
+    assert not rows and all(m.error == "not run: time limit reached" for m in models) and seen
+    with pytest.raises(ValueError, match="unknown configs"):
+        run_e2e(E2EOptions(configs=("sage-int4",), device="cpu"), show_progress=False)
+
+
+def test_local_attention_makes_attention_skippable_and_restores_weights(one_thread):
+    spec = MODELS["flux.1-dev"]
+    model = build_model(spec, device="cpu", dtype=torch.float32, variant="tiny")
+    inputs = model_inputs(spec, model, t=0.5, device="cpu", dtype=torch.float32, tiny=True, latent=(32, 32))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def skipped(structured: bool) -> float:
+        stats = _SkipStatistics(1, 8, 4)
+        with torch.no_grad(), spy_sdpa(stats):
+            if structured:
+                with local_attention(model, 64.0) as changed:
+                    assert changed == 2  # the double block's joint attention and the single block's
+                    model(**inputs)
+            else:
+                model(**inputs)
+        return skipped_fraction(stats.criticals(), 0.05)
+
+    assert skipped(False) == 0.0 < skipped(True)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    with pytest.raises(ValueError, match="contrast"):
+        with local_attention(model, 0.0):
+            pass
+
+
+def test_probe_reports_a_curve_per_contrast(one_thread):
+    data = probe(("wan2.1-t2v-1.3b",), (0.0, 32.0), device="cpu", dtype="float32", variant="tiny")
+    by_contrast = data["wan2.1-t2v-1.3b"]
+    assert set(by_contrast) == {"0", "32"} and set(by_contrast["0"]["curve"]) >= {"0.05", "0.001"}
+    text = format_probe(data)
+    assert "wan2.1-t2v-1.3b" in text and "threshold for 40%" in text
+
+
+def test_settings_build_processor_arguments():
+    assert SETTINGS["sage-fp8+skip"].processor_kwargs(0.02, "auto") == {
+        "backend": "auto", "quant": {"dtype_qk": "fp8_e4m3"}, "skip_softmax_threshold": 0.02,
+        "disabled_until_timestep": 0.0,
+    }
+    assert SETTINGS["dense"].processor_kwargs(0.02, "fa3") == {"backend": "fa3"}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_e2e_probe_models_on_gpu():
+    """One block, two heads, full geometry: every setting runs, and structured weights skip tiles."""
+    opts = E2EOptions(models=("wan2.1-t2v-1.3b", "flux.1-dev"), variant="probe", warmup=0, iters=2, device="cuda")
+    _, rows = run_e2e(opts, show_progress=False)
+    assert all(r.error is None for r in rows), [(r.model, r.config, r.error) for r in rows if r.error]
+    for r in rows:
+        if r.config == "dense":
+            assert r.rel_l1 < 0.02
+        if r.weights == "structured" and r.config.endswith("skip"):
+            assert r.skipped > 0.2 and any("+skip" in route for route in r.routes.values()), r
