@@ -7,37 +7,25 @@ import logging
 import sys
 from pathlib import Path
 
-import torch
 
+from .cli import add_common_args, floats, names
 from .inputs import Shape, load_qkv, parse_shapes
 from .report import environment, write_json, write_markdown, write_plot
 from .suite import Settings, run_suite
 
 
-def _floats(text: str) -> tuple[float, ...]:
-    return tuple(float(x) for x in text.split(",") if x.strip())
-
-
-def _names(text: str) -> tuple[str, ...]:
-    return tuple(x.strip() for x in text.split(",") if x.strip())
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m diffusers_trtllm.bench", description=__doc__)
     p.add_argument("--shapes", default="standard", help="'standard', names from inputs.SHAPES, or name=B:S:H:D (comma-separated)")
-    p.add_argument("--thresholds", type=_floats, default=(), help="skip-softmax thresholds (lambda) to time, e.g. 0.01,0.05")
-    p.add_argument("--target-skips", type=_floats, default=(0.25, 0.5, 0.75),
+    p.add_argument("--thresholds", type=floats, default=(), help="skip-softmax thresholds (lambda) to time, e.g. 0.01,0.05")
+    p.add_argument("--target-skips", type=floats, default=(0.25, 0.5, 0.75),
                    help="also time the thresholds at which the reference skips these tile fractions ('' for none)")
-    p.add_argument("--routes", type=_names, default=(),
+    p.add_argument("--routes", type=names, default=(),
                    help="only these implementations (route names, torch-cudnn, torch-flash2, flashinfer-fa3, "
                         "flashinfer-fa3-fp8, sageattn, auto); the baseline always runs")
     p.add_argument("--locality", type=float, default=0.5, help="structure of generated inputs in [0, 1] (inputs.py)")
     p.add_argument("--qkv-file", type=Path, help="Q/K/V saved by bench.save_qkv (replaces --shapes)")
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="output folder")
-    p.add_argument("--name", default="bench", help="file stem of the outputs (NAME.json, .md, .png)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--seed", type=int, default=0)
+    add_common_args(p, "bench", "NAME.json, .md, .png")
     p.add_argument("--ref-heads", type=int, default=4, help="heads the fp32 reference checks (subsample)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=10)

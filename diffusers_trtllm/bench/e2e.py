@@ -24,13 +24,14 @@ import gc
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from .. import families
+from .cli import add_common_args, floats, names
 from .inputs import spy_sdpa
 from .models import MODELS, ModelSpec, build_model, local_attention, model_inputs
 from .suite import heads_subset, reference_tile, warm_up
@@ -491,21 +492,13 @@ def format_probe(data: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _floats(text: str) -> tuple[float, ...]:
-    return tuple(float(x) for x in text.split(",") if x.strip())
-
-
-def _names(text: str) -> tuple[str, ...]:
-    return tuple(x.strip() for x in text.split(",") if x.strip())
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m diffusers_trtllm.bench e2e", description=__doc__.split("\n\n")[0])
-    p.add_argument("--models", type=_names, default=tuple(MODELS), help=f"comma-separated, from {', '.join(MODELS)}")
-    p.add_argument("--configs", type=_names, default=tuple(SETTINGS),
+    p.add_argument("--models", type=names, default=tuple(MODELS), help=f"comma-separated, from {', '.join(MODELS)}")
+    p.add_argument("--configs", type=names, default=tuple(SETTINGS),
                    help=f"processor settings, from {', '.join(SETTINGS)} (stock always runs)")
-    p.add_argument("--weights", type=_names, default=WEIGHTS, help="random and/or structured (local self-attention)")
-    p.add_argument("--contrast", type=_floats, default=None,
+    p.add_argument("--weights", type=names, default=WEIGHTS, help="random and/or structured (local self-attention)")
+    p.add_argument("--contrast", type=floats, default=None,
                    help="structured weights' score contrast in nats (models.local_attention; default: per model); "
                         f"a list with --probe (default {','.join(f'{c:g}' for c in PROBE_CONTRASTS)})")
     p.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD, help="skip-softmax threshold of the skip settings")
@@ -525,11 +518,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_const", const="tiny", dest="variant", help="--variant tiny")
     p.add_argument("--probe", action="store_true",
                    help="print the structured weights' skipped fraction per threshold (one reduced forward; CPU is fine)")
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="output folder")
-    p.add_argument("--name", default="e2e", help="file stem of the outputs (NAME.json, NAME.md)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--seed", type=int, default=0)
+    add_common_args(p, "e2e", "NAME.json, NAME.md")
     p.add_argument("--warmup", type=int, default=1, help="untimed forwards after the output forward")
     p.add_argument("--iters", type=int, default=3, help="timed forwards (median)")
     p.add_argument("--ref-layers", type=int, default=4, help="self/joint attention calls sampled for the skip statistics")
