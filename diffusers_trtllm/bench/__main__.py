@@ -7,7 +7,6 @@ import logging
 import sys
 from pathlib import Path
 
-
 from .cli import add_common_args, floats, names
 from .inputs import Shape, load_qkv, parse_shapes
 from .report import environment, write_json, write_markdown, write_plot
