@@ -14,7 +14,8 @@ from .suite import Settings, run_suite
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m diffusers_trtllm.bench", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m diffusers_trtllm.bench", description=__doc__,
+                                epilog="The end-to-end benchmark: python -m diffusers_trtllm.bench e2e --help")
     p.add_argument("--shapes", default="standard", help="'standard', names from inputs.SHAPES, or name=B:S:H:D (comma-separated)")
     p.add_argument("--thresholds", type=floats, default=(), help="skip-softmax thresholds (lambda) to time, e.g. 0.01,0.05")
     p.add_argument("--target-skips", type=floats, default=(0.25, 0.5, 0.75),
