@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> Path | None:
     else:
         shapes = parse_shapes(args.shapes)
     args.out.mkdir(parents=True, exist_ok=True)
-    env = environment(args.device)
+    env = environment(args.device, argv)
     stem = args.out / args.name
 
     def save(results) -> None:  # after every shape, so a stopped run keeps what it measured

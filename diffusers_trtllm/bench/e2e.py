@@ -23,6 +23,7 @@ import contextlib
 import gc
 import logging
 import math
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -529,8 +530,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> Path | None:
+    """``python -m diffusers_trtllm.bench e2e ARGV``; returns the JSON's path (None with ``--probe``)."""
     from .report import environment, write_e2e_json, write_e2e_markdown
 
+    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     if args.probe:
@@ -548,7 +551,7 @@ def main(argv: list[str] | None = None) -> Path | None:
         ref_layers=args.ref_layers, ref_heads=args.ref_heads, variant=args.variant or "full", time_limit=args.time_limit,
     )
     args.out.mkdir(parents=True, exist_ok=True)
-    env = environment(args.device)
+    env = environment(args.device, ["e2e", *argv])
     stem = args.out / args.name
 
     def save(results: list[ModelResult], rows: list[E2ERow]) -> None:  # after every item: a cut run keeps its rows

@@ -42,10 +42,11 @@ def _version(module: str, distribution: str | None = None) -> str | None:
         return None
 
 
-def environment(device: str) -> dict[str, Any]:
-    """GPU name, driver and library versions, and the command line that produced the results."""
+def environment(device: str, argv: list[str] | None = None) -> dict[str, Any]:
+    """GPU name, driver and library versions, and the command line (``argv``, default the process's) of the results."""
+    args = sys.argv[1:] if argv is None else argv
     env: dict[str, Any] = {
-        "command": " ".join(shlex.quote(a) for a in [Path(sys.executable).name, "-m", "diffusers_trtllm.bench", *sys.argv[1:]]),
+        "command": " ".join(shlex.quote(a) for a in [Path(sys.executable).name, "-m", "diffusers_trtllm.bench", *args]),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
