@@ -38,7 +38,8 @@ from .models import MODELS, ModelSpec, build_model, local_attention, model_input
 from .suite import heads_subset, reference_tile, warm_up
 from .timing import rel_l1, skipped_fraction, threshold_for, tile_criticals, time_fn
 
-__all__ = ["ProcessorSetting", "SETTINGS", "E2EOptions", "E2ERow", "ModelResult", "run_e2e", "probe", "processor_summary", "main"]
+__all__ = ["ProcessorSetting", "SETTINGS", "E2EOptions", "E2ERow", "ModelResult", "run_e2e", "probe", "format_probe",
+           "processor_summary", "main"]
 
 log = logging.getLogger("diffusers_trtllm.bench")
 
@@ -159,12 +160,14 @@ def processor_summary(proc: Any) -> tuple[dict[str, str], float | None, bool]:
     sparse_self = False
     for layer in proc.layers:
         for rec in layer.records:
-            routes.setdefault(layer.role, set()).add(rec.route + ("+skip" if rec.sparse else "") + ("+sage" if rec.sage else ""))
+            label = rec.route + ("+skip" if rec.sparse else "") + ("+sage" if rec.sage else "")
+            routes.setdefault(layer.role, set()).add(label)
             sparse_self |= rec.sparse and layer.role != "cross"
             if rec.total_tiles:
                 skipped += rec.skipped_tiles or 0
                 tiles += rec.total_tiles
-    return {role: ",".join(sorted(r)) for role, r in sorted(routes.items())}, (skipped / tiles if tiles else None), sparse_self
+    by_role = {role: ",".join(sorted(r)) for role, r in sorted(routes.items())}
+    return by_role, (skipped / tiles if tiles else None), sparse_self
 
 
 class _Enough(Exception):

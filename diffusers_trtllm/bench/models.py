@@ -183,7 +183,8 @@ def model_inputs(
         h, w = latent
         rows, cols = torch.meshgrid(torch.arange(h, device=device), torch.arange(w, device=device), indexing="ij")
         img_ids = torch.stack([torch.zeros_like(rows), rows, cols], dim=-1).reshape(h * w, 3).to(dtype)
-        inputs = dict(hidden_states=randn(1, h * w, cfg.in_channels), encoder_hidden_states=randn(1, text, cfg.joint_attention_dim),
+        inputs = dict(hidden_states=randn(1, h * w, cfg.in_channels),
+                      encoder_hidden_states=randn(1, text, cfg.joint_attention_dim),
                       pooled_projections=randn(1, cfg.pooled_projection_dim), timestep=timestep,
                       img_ids=img_ids, txt_ids=torch.zeros(text, 3, device=device, dtype=dtype), return_dict=False)
         if cfg.guidance_embeds:
