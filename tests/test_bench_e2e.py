@@ -13,7 +13,8 @@ from diffusers_trtllm.bench.inputs import spy_sdpa
 from diffusers_trtllm.bench.models import MODELS, build_model, local_attention, model_inputs
 from diffusers_trtllm.bench.timing import skipped_fraction
 
-ROW_FIELDS = {"model", "weights", "config", "ms", "vs_stock", "rel_l1", "skipped", "compiled", "routes", "threshold"}
+ROW_FIELDS = {"model", "weights", "config", "ms", "vs_stock", "rel_l1", "skipped", "skipped_route", "compiled", "routes",
+              "policy", "threshold"}
 
 
 @pytest.fixture
@@ -44,6 +45,7 @@ def test_e2e_tiny_models_on_cpu(tmp_path, one_thread):
     assert by_key[("flux.1-dev", "random", "sage-int8")]["routes"]["joint"] == "reference+sage"
     stock = by_key[("flux.1-dev", "random", "stock")]
     assert stock["rel_l1"] == 0.0 and stock["routes"] == {} and stock["skipped"] is None
+    assert wan_skip["policy"] == {}  # the policy's rules speak of GPU kernels only
     assert by_key[("wan2.1-t2v-1.3b", "random", "dense")]["rel_l1"] < 0.02
     for m in data["models"]:
         assert m["error"] is None and m["build_s"] > 0 and set(m["skip_curve"]) == {"random", "structured"}
@@ -121,3 +123,5 @@ def test_e2e_probe_models_on_gpu():
             assert r.rel_l1 < 0.02
         if r.weights == "structured" and r.config.endswith("skip"):
             assert r.skipped > 0.2 and any("+skip" in route for route in r.routes.values()), r
+        if r.model.startswith("wan") and r.config.endswith("skip"):
+            assert "+skip" not in r.routes["cross"] and "cross" in r.policy, r  # 512 text keys: skip cannot pay

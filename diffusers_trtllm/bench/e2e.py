@@ -27,7 +27,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -39,7 +39,7 @@ from .suite import heads_subset, reference_tile, warm_up
 from .timing import rel_l1, skipped_fraction, threshold_for, tile_criticals, time_fn
 
 __all__ = ["ProcessorSetting", "SETTINGS", "E2EOptions", "E2ERow", "ModelResult", "run_e2e", "probe", "format_probe",
-           "processor_summary", "main"]
+           "ProcessorSummary", "processor_summary", "main"]
 
 log = logging.getLogger("diffusers_trtllm.bench")
 
@@ -132,6 +132,8 @@ class E2ERow:
     skipped_route: float | None = None
     #: Attention role -> routes its calls took (``+skip``: skip-softmax on; ``+sage``: quantized).
     routes: dict[str, str] = field(default_factory=dict)
+    #: Attention role -> what the processor's policy dropped from the request, and why.
+    policy: dict[str, str] = field(default_factory=dict)
     error: str | None = None
 
 
@@ -149,25 +151,45 @@ class ModelResult:
     error: str | None = None
 
 
-def processor_summary(proc: Any) -> tuple[dict[str, str], float | None, bool]:
-    """From a processor's per-layer records: role -> routes, the routes' own skipped fraction, whether self/joint skipped.
+class ProcessorSummary(NamedTuple):
+    """What a processor's records say about the calls it served."""
+
+    #: Attention role -> routes its calls took (``+skip`` / ``+sage``: that feature ran).
+    routes: dict[str, str]
+    #: Attention role -> what the processor's policy dropped from the request, and why.
+    policy: dict[str, str]
+    #: Skipped tiles / tiles over the calls whose route counted them (None: no route did).
+    skipped_route: float | None
+    #: Whether any self/joint attention call ran with skip-softmax.
+    sparse_self: bool
+
+
+def processor_summary(proc: Any) -> ProcessorSummary:
+    """Summarize ``proc``'s per-layer records.
 
     The one place that reads ``proc.layers[i].role`` and ``.records`` (fields ``route``,
-    ``sparse``, ``sage``, ``skipped_tiles``, ``total_tiles``).
+    ``sparse``, ``sage``, ``skipped_tiles``, ``total_tiles``, ``note``).
     """
     routes: dict[str, set[str]] = {}
+    notes: dict[str, set[str]] = {}
     skipped = tiles = 0
     sparse_self = False
     for layer in proc.layers:
         for rec in layer.records:
             label = rec.route + ("+skip" if rec.sparse else "") + ("+sage" if rec.sage else "")
             routes.setdefault(layer.role, set()).add(label)
+            note = getattr(rec, "note", None)
+            if note:
+                notes.setdefault(layer.role, set()).add(note)
             sparse_self |= rec.sparse and layer.role != "cross"
             if rec.total_tiles:
                 skipped += rec.skipped_tiles or 0
                 tiles += rec.total_tiles
-    by_role = {role: ",".join(sorted(r)) for role, r in sorted(routes.items())}
-    return by_role, (skipped / tiles if tiles else None), sparse_self
+
+    def joined(by_role: dict[str, set[str]], sep: str) -> dict[str, str]:
+        return {role: sep.join(sorted(v)) for role, v in sorted(by_role.items())}
+
+    return ProcessorSummary(joined(routes, ","), joined(notes, "; "), skipped / tiles if tiles else None, sparse_self)
 
 
 class _Enough(Exception):
@@ -352,10 +374,11 @@ class _ModelBench:
         if stock_out is not None:
             row.rel_l1 = rel_l1(out.float(), stock_out.float())
         del out
-        row.routes, row.skipped_route, sparse_self = processor_summary(proc)
+        summary = processor_summary(proc)
+        row.routes, row.policy, row.skipped_route = summary.routes, summary.policy, summary.skipped_route
         crit = self.crits.get(row.weights)
         if setting.skip and crit is not None:
-            row.skipped = skipped_fraction(crit, threshold) if sparse_self else 0.0
+            row.skipped = skipped_fraction(crit, threshold) if summary.sparse_self else 0.0
         if setting.skip and not compiled:
             self.install(setting, threshold)  # timed without the counting
         row.ms, row.iters = self.time()

@@ -150,7 +150,8 @@ def write_e2e_markdown(path: Path, env: dict[str, Any], opts: "E2EOptions", mode
         "compiled. `rel-L1`: against the stock output of the same mode. `skipped`: the fraction of self/joint "
         "attention tiles the reference skips at the row's threshold, on Q/K recorded from the stock forward "
         f"({opts.ref_layers} calls x {opts.ref_heads} heads, fmha-v2 tiles); `route skipped`: the routes' own count "
-        "where they report one. `routes`: attention role -> routes taken (+skip, +sage: that feature ran). "
+        "where they report one. `routes`: attention role -> routes taken (+skip, +sage: that feature ran); "
+        "`note`: what the processor's policy dropped, per role, or the error. "
         "Structured weights: local self-attention (bench.models.local_attention, contrast per model below).",
         "",
     ]
@@ -170,11 +171,12 @@ def write_e2e_markdown(path: Path, env: dict[str, Any], opts: "E2EOptions", mode
         ]
         for r in (r for r in rows if r.model == m.model):
             routes = "; ".join(f"{role}: {route}" for role, route in r.routes.items())
+            note = r.error or "; ".join(f"{role}: {why}" for role, why in r.policy.items())
             config = r.config + (f" {r.threshold:.3g}" if r.threshold is not None else "")
             lines.append(
                 f"| {r.weights} | {config} | {'yes' if r.compiled else 'no'} | {_fmt(r.ms, '.1f')} | "
                 f"{_fmt(r.vs_stock, '.3f')} | {_fmt(r.rel_l1, '.4f')} | {_fmt(r.skipped, '.1%')} | "
-                f"{_fmt(r.skipped_route, '.1%')} | {routes} | {(r.error or '').replace('|', '/')[:120]} |"
+                f"{_fmt(r.skipped_route, '.1%')} | {routes} | {note.replace('|', '/')[:200]} |"
             )
         lines.append("")
     path.write_text("\n".join(lines))
