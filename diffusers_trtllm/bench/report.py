@@ -141,7 +141,7 @@ def write_markdown(path: Path, env: dict[str, Any], settings: Settings, results:
 def write_e2e_markdown(path: Path, env: dict[str, Any], opts: "E2EOptions", models: list["ModelResult"],
                        rows: list["E2ERow"]) -> None:
     lines = _header("End-to-end benchmark: one transformer forward", env) + [
-        f"Published configs, random weights, batch 1, {opts.dtype}, normalized timestep t={opts.t} (skip-softmax on: "
+        f"Published configs (variants named per model) with random initial weights, batch 1, {opts.dtype}, normalized timestep t={opts.t} (skip-softmax on: "
         "disabled_until_timestep 0). `ms`: median of "
         f"{opts.iters} CUDA-event timings after the output forward and {opts.warmup} warm-up forward(s). "
         "`vs stock`: stock time / this time, stock = Diffusers' own attention"
