@@ -71,7 +71,7 @@ def test_inductor_compile_matches_eager(family, regional):
     out = _run(compiled, inputs)
     assert not counters["graph_break"]
     assert counters["stats"]["unique_graphs"] <= 2
-    assert rel_l1(out.float(), eager.float()) < 1e-2
+    assert rel_l1(out.float(), eager.float()) < 2e-2  # inductor fuses the bf16 norms and RoPE differently
     assert rel_l1(out.float(), stock.float()) < 5e-2
     uninstall(model)
 
@@ -80,7 +80,7 @@ def test_threads_on_the_gpu_keep_their_outputs():
     stock_model, inputs = _cuda("flux")
     ours, _ = _cuda("flux")
     stock_ref = _run(stock_model, inputs)
-    install(ours, TrtllmAttnProcessor(skip_softmax_threshold=0.3))
+    install(ours, TrtllmAttnProcessor(quant={"dtype_qk": "int8"}, policy="always"))  # SAGE: visibly not stock
     ours_ref = _run(ours, inputs)
     results, errors = {"stock": [], "ours": []}, []
 
@@ -97,5 +97,7 @@ def test_threads_on_the_gpu_keep_their_outputs():
     for t in threads:
         t.join()
     assert not errors, errors
-    assert all(torch.equal(o, stock_ref) for o in results["stock"])
-    assert all(torch.equal(o, ours_ref) for o in results["ours"])
+    # Another thread's settings would change outputs by far more than kernel nondeterminism.
+    assert max(rel_l1(o.float(), stock_ref.float()) for o in results["stock"]) < 1e-3
+    assert max(rel_l1(o.float(), ours_ref.float()) for o in results["ours"]) < 1e-3
+    assert rel_l1(ours_ref.float(), stock_ref.float()) > 1e-3, "the settings must change the output to mean anything"
