@@ -130,12 +130,16 @@ def _drop_layer(module: torch.nn.Module, restore: bool) -> None:
         _set_processor(module, state.stock)
 
 
-def restore_if_unused() -> bool:
-    """Restore Diffusers' globals and setters once no layer of ours is alive; True if it did."""
+def restore_if_unused(collect: bool = True) -> bool:
+    """Restore Diffusers' globals and setters once no layer of ours is alive; True if it did.
+
+    ``collect``: first free layers of models dropped in a reference cycle (a garbage collection:
+    once per ``uninstall``, not per module).
+    """
+    if intercept.live_layers() and collect:
+        gc.collect()
     if intercept.live_layers():
-        gc.collect()  # layers of models dropped in a reference cycle
-        if intercept.live_layers():
-            return False
+        return False
     restored = intercept.restore_globals()
     unpatch_diffusers()
     if restored:
@@ -162,7 +166,7 @@ def patch_diffusers() -> None:
                 processor.bind(self, replaced=replaced)
             elif "_trtllm_layer" in self.__dict__:
                 _drop_layer(self, restore=False)
-                restore_if_unused()
+                restore_if_unused(collect=False)
 
         _WRAPPED.append((cls, "set_processor", original))
         cls.set_processor = set_processor

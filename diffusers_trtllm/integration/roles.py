@@ -21,14 +21,17 @@ ROLES = ("self", "cross", "joint", "refiner")
 
 
 def guess_role(name: str | None, module: torch.nn.Module) -> str:
-    """The role before any call: refiner by name, cross by the module's flag, joint by added K/V projections."""
+    """The role before any call: refiner by name; cross by the module's flag (or, where a module has no
+    such flag, as LTX's, the name ``attn2`` without added projections); joint by added K/V projections."""
     if "refiner" in (name or ""):
         return "refiner"
-    if getattr(module, "is_cross_attention", False) is True:
+    added = getattr(module, "added_kv_proj_dim", None) is not None or getattr(module, "add_k_proj", None) is not None
+    cross = getattr(module, "is_cross_attention", None)
+    if cross is None:
+        cross = (name or "").rsplit(".", 1)[-1] == "attn2" and not added
+    if cross is True:
         return "cross"
-    if getattr(module, "added_kv_proj_dim", None) is not None or getattr(module, "add_k_proj", None) is not None:
-        return "joint"
-    return "self"
+    return "joint" if added else "self"
 
 
 def observed_role(guess: str, module_is_cross: Any, q_len: int, kv_len: int, hidden_len: int, encoder_len: int) -> str:
