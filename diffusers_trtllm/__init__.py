@@ -3,6 +3,7 @@
 from .attention import attention, run_attention
 from .calibration import load_calibration
 from .config import ControlTypeError, QuantConfig, SkipSoftmaxConfig
+from .integration import install, uninstall
 from .layout import MaskNotSupportedError, PackedLayout
 from .processor import TrtllmAttnProcessor
 from .routes import NoRouteError, route_names
@@ -21,6 +22,8 @@ __all__ = [
     "NoRouteError",
     "route_names",
     "TrtllmAttnProcessor",
+    "install",
+    "uninstall",
     "DenoiseStepCallback",
     "attach_denoise_tracking",
     "detach_denoise_tracking",

@@ -33,7 +33,7 @@ import torch
 
 from ._logging import warn_once
 from .config import ControlTypeError, check_curve, unknown_keys_message
-from .processor import Calibration, LayerState
+from .layer import Calibration, LayerState
 
 __all__ = ["CalibrationGroup", "parse_sparse_attention_config", "read_calibration", "load_calibration", "FORMULAS"]
 

@@ -278,5 +278,5 @@ class QuantConfig:
 
     @property
     def qk_max(self) -> float:
-        """Largest magnitude of the quantized Q/K grid (``M`` in DESIGN.md)."""
+        """Largest magnitude of the quantized Q/K grid (``M`` in docs/design.md, SAGE quantization)."""
         return 127.0 if self.dtype_qk == "int8" else 448.0

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Callable, Hashable
+from typing import Any, Callable, Hashable
 
 import torch
 
-__all__ = ["PackedLayout", "LayoutCache", "MaskNotSupportedError", "key_padding_mask"]
+__all__ = ["PackedLayout", "LayoutCache", "MaskNotSupportedError", "key_padding_mask", "query_key_masks"]
 
 #: Additive-mask values at or below this count as "masked out" (their exp() is 0 in fp32 anyway);
 #: not -1e4, because LTX's ``-10000.0`` mask becomes -9984 in bf16.
@@ -245,18 +245,8 @@ def _pack(x: torch.Tensor, index: torch.Tensor | None, total: int) -> torch.Tens
     return flat[:total].contiguous() if flat.shape[0] != total else flat.contiguous()
 
 
-def key_padding_mask(attn_mask: torch.Tensor, batch: int, q_len: int, kv_len: int) -> torch.Tensor:
-    """Reduce an attention mask to a boolean ``[batch, kv_len]`` key-padding mask (True = valid).
-
-    Accepts bool masks (True = attend) and additive masks holding only 0 and large
-    negative values: ``[batch, kv_len]``, or any shape that broadcasts to
-    ``[batch, heads, q_len, kv_len]`` and is the same for every head and query.
-    A 2-D mask is read as ``[batch, kv_len]``; when ``batch == q_len`` it could as well
-    be SDPA's ``[q_len, kv_len]``, so unless its rows agree it is refused. An additive
-    row that masks every key with one finite value (LTX-Video's ``-10000`` for an empty
-    prompt) shifts all scores alike, so stock attention attends to every key: so do we.
-    Raises ``MaskNotSupportedError`` when the mask varies per query or head, or is a bias.
-    """
+def _mask_4d(attn_mask: torch.Tensor, batch: int, q_len: int, kv_len: int) -> torch.Tensor:
+    """The mask, checked, as the 4-D shape SDPA broadcasts it to (values unchanged)."""
     m = attn_mask
     if m.ndim < 1 or m.ndim > 4 or m.shape[-1] != kv_len:
         raise MaskNotSupportedError(
@@ -272,7 +262,45 @@ def key_padding_mask(attn_mask: torch.Tensor, batch: int, q_len: int, kv_len: in
             "or a per-query mask as [1, 1, q_len, kv_len] (per-query masks run on backend='sdpa')."
         )
     # [batch, kv_len] is a key-padding mask; 3-D and 4-D masks broadcast as in SDPA.
-    m = m[:, None, None, :] if m.ndim == 2 else m.reshape((1,) * (4 - m.ndim) + tuple(m.shape))
+    return m[:, None, None, :] if m.ndim == 2 else m.reshape((1,) * (4 - m.ndim) + tuple(m.shape))
+
+
+def _keep_rows(rows: torch.Tensor) -> torch.Tensor:
+    """Bool rows (True = attend) from bool or additive rows over the keys (the last dim).
+
+    Additive rows hold 0 (attend) and large negatives (masked). A row with one finite value
+    on every key (Cosmos passes ones, LTX-Video -10000 for an empty prompt) shifts all
+    scores alike, so stock attention attends to every key: so do we.
+    """
+    if rows.dtype == torch.bool:
+        return rows
+    keep = rows == 0
+    constant = (rows == rows[..., :1]).all(dim=-1) & torch.isfinite(rows).all(dim=-1)
+    if not bool((keep | (rows <= _ADDITIVE_MASKED) | constant[..., None]).all()):
+        raise MaskNotSupportedError(
+            "additive attention mask holds values other than 0 and large negatives: it is a bias, "
+            "not a padding mask; use a route that takes masks (backend='sdpa')."
+        )
+    if bool((~keep.any(dim=-1) & torch.isfinite(rows).any(dim=-1) & ~constant).any()):
+        raise MaskNotSupportedError(
+            "an additive mask row masks every key with different finite values: softmax then weighs the keys "
+            "by those values (a bias); use a route that takes masks (backend='sdpa')."
+        )
+    return keep | constant[..., None]
+
+
+def key_padding_mask(attn_mask: torch.Tensor, batch: int, q_len: int, kv_len: int) -> torch.Tensor:
+    """Reduce an attention mask to a boolean ``[batch, kv_len]`` key-padding mask (True = valid).
+
+    Accepts bool masks (True = attend) and additive masks holding only 0 and large
+    negative values: ``[batch, kv_len]``, or any shape that broadcasts to
+    ``[batch, heads, q_len, kv_len]`` and is the same for every head and query.
+    A 2-D mask is read as ``[batch, kv_len]``; when ``batch == q_len`` it could as well
+    be SDPA's ``[q_len, kv_len]``, so unless its rows agree it is refused. A row with one
+    finite value on every key attends to every key (see ``_keep_rows``).
+    Raises ``MaskNotSupportedError`` when the mask varies per query or head, or is a bias.
+    """
+    m = _mask_4d(attn_mask, batch, q_len, kv_len)
     if m.shape[0] not in (1, batch):
         raise MaskNotSupportedError(f"attention mask batch dim {m.shape[0]} does not match batch={batch}.")
     if m.shape[1] != 1 or m.shape[2] != 1:
@@ -283,44 +311,73 @@ def key_padding_mask(attn_mask: torch.Tensor, batch: int, q_len: int, kv_len: in
                 "use a route that takes masks (backend='sdpa')."
             )
         m = first
-    rows = m[:, 0, 0, :]
-    if rows.dtype != torch.bool:
-        keep = rows == 0
-        if not bool((keep | (rows <= _ADDITIVE_MASKED)).all()):
-            raise MaskNotSupportedError(
-                "additive attention mask holds values other than 0 and large negatives: it is a bias, "
-                "not a padding mask; use a route that takes masks (backend='sdpa')."
-            )
-        empty = ~keep.any(dim=1)
-        finite = torch.isfinite(rows).any(dim=1)
-        uniform = (rows == rows[:, :1]).all(dim=1)
-        if bool((empty & finite & ~uniform).any()):
-            raise MaskNotSupportedError(
-                "an additive mask row masks every key with different finite values: softmax then weighs the keys "
-                "by those values (a bias); use a route that takes masks (backend='sdpa')."
-            )
-        rows = keep | (empty & uniform & finite)[:, None]
-    return rows.expand(batch, kv_len)
+    return _keep_rows(m[:, 0, 0, :]).expand(batch, kv_len)
+
+
+def query_key_masks(attn_mask: torch.Tensor, batch: int, q_len: int, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split a mask (the same for every head) into bool ``([batch, q_len], [batch, kv_len])`` masks:
+    the keys any query may attend, and the queries whose row attends exactly those keys.
+
+    Every other query (a padded one) may attend to at most one key; those get the stock
+    kernel's rows. Chroma's and HunyuanVideo 1.5's masks are outer products of query and
+    key padding (a padded query attends to nothing); HunyuanVideo's token refiner lets a
+    padded query attend to the first key. Raises ``MaskNotSupportedError`` for anything
+    else (a causal or banded mask, a mask that varies per head).
+    """
+    m = _mask_4d(attn_mask, batch, q_len, kv_len)
+    if m.shape[0] not in (1, batch) or m.shape[2] not in (1, q_len):
+        raise MaskNotSupportedError(f"attention mask of shape {tuple(attn_mask.shape)} does not fit batch={batch}, q_len={q_len}.")
+    if m.shape[1] != 1 and not bool((m == m[:, :1]).all()):
+        raise MaskNotSupportedError("attention mask varies per head; use a route that takes masks (backend='sdpa').")
+    m = _keep_rows(m[:, 0]).expand(batch, q_len, kv_len)
+    kv_mask = m.any(dim=1)
+    q_mask = (m == kv_mask[:, None, :]).all(dim=2)
+    if bool(((m.sum(dim=2) > 1) & ~q_mask).any()):
+        raise MaskNotSupportedError(
+            "attention mask varies per query (causal or banded: a query outside the padding attends to its own "
+            "set of keys), so it is not a padding mask; use a route that takes masks (backend='sdpa')."
+        )
+    return q_mask, kv_mask
 
 
 class LayoutCache:
     """Remembers the layout built for a mask tensor, so all layers of a forward share one sync.
 
     Entries are keyed by the mask object itself (held weakly, with its version
-    counter), so a freed or modified mask never returns a stale layout.
+    counter), so a freed or modified mask never returns a stale layout. Unmasked
+    (dense) layouts are kept per shape. Both hold at most ``max_entries``, oldest
+    dropped first.
     """
 
     def __init__(self, max_entries: int = 8) -> None:
-        self._entries: dict[Hashable, tuple[weakref.ref, int, PackedLayout]] = {}
+        self._entries: dict[Hashable, tuple[weakref.ref, int, Any]] = {}
+        self._dense: dict[Hashable, PackedLayout] = {}
         self._max = max_entries
 
-    def get(self, mask: torch.Tensor, extra_key: Hashable, build: Callable[[], PackedLayout]) -> PackedLayout:
+    def get(self, mask: torch.Tensor, extra_key: Hashable, build: Callable[[], Any]) -> Any:
         key = (id(mask), extra_key)
         hit = self._entries.get(key)
         if hit is not None and hit[0]() is mask and hit[1] == mask._version:
             return hit[2]
         layout = build()
-        if len(self._entries) >= self._max:
-            self._entries.pop(next(iter(self._entries)))
-        self._entries[key] = (weakref.ref(mask), mask._version, layout)
+        _bounded_put(self._entries, key, (weakref.ref(mask), mask._version, layout), self._max)
         return layout
+
+    def dense(self, batch: int, q_len: int, kv_len: int, device: torch.device) -> PackedLayout:
+        """``PackedLayout.dense`` for this shape, built once."""
+        key = (batch, q_len, kv_len, device)
+        layout = self._dense.get(key)
+        if layout is None:
+            layout = PackedLayout.dense(batch, q_len, kv_len, device)
+            _bounded_put(self._dense, key, layout, self._max)
+        return layout
+
+    def __len__(self) -> int:
+        return len(self._entries) + len(self._dense)
+
+
+def _bounded_put(entries: dict, key: Hashable, value: Any, limit: int) -> None:
+    entries.pop(key, None)
+    while len(entries) >= limit:
+        entries.pop(next(iter(entries)), None)
+    entries[key] = value

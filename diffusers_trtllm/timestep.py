@@ -1,13 +1,16 @@
-"""Telling the processor which denoising step it is in, for ``disabled_until_timestep``.
+"""Telling each transformer's layers which denoising step they are in, for ``disabled_until_timestep``.
 
-Two ways, usable together:
+The timestep belongs to the transformer being run: each transformer (or the
+transformers of one pipeline) has a :class:`TimestepTracker` that its layers read
+inside the attention op. Two ways to feed it, usable together:
 
-- ``attach_denoise_tracking(pipe, proc)``: a Diffusers ``ModelHook`` on each
+- ``attach_denoise_tracking(pipe)``: a Diffusers ``ModelHook`` on each
   transformer (``transformer``, ``transformer_2``) hands the ``timestep`` argument
-  of every forward to the processor *before* that forward runs, so every step,
+  of every forward to the tracker *before* that forward runs, so every step,
   the first included, is gated right. The hook only stores the tensor; its value
   is read inside our attention op (one sync per forward), so ``torch.compile``
-  sees no graph break.
+  sees no graph break. A ``[batch, tokens]`` timestep (Wan 2.2 TI2V) counts by its
+  largest entry. After ``detach_denoise_tracking`` gated layers run dense (one warning).
 - ``DenoiseStepCallback(proc)``: a ``PipelineCallback`` for ``callback_on_step_end``
   (alone or in ``MultiPipelineCallbacks``). Diffusers calls it after a step, so it
   publishes the *next* step's ``t``; the first step runs dense (right whenever
@@ -34,7 +37,10 @@ from diffusers.hooks import HookRegistry, ModelHook
 
 from .config import ControlTypeError
 
-__all__ = ["DenoiseStepCallback", "attach_denoise_tracking", "detach_denoise_tracking", "TimestepNormalizer"]
+__all__ = [
+    "DenoiseStepCallback", "attach_denoise_tracking", "detach_denoise_tracking", "TimestepNormalizer", "TimestepTracker",
+    "tracker_of",
+]
 
 HOOK_NAME = "diffusers_trtllm.denoise_tracking"
 _TRANSFORMER_ATTRS = ("transformer", "transformer_2")
@@ -54,6 +60,10 @@ class TimestepNormalizer:
         self._pipe = _weak(pipe) if pipe is not None else None
         self.divisor = check_divisor(divisor)
         self._host: tuple[int, list[float]] | None = None
+
+    def __getstate__(self) -> dict:
+        # The pipeline is held weakly (not picklable); a copy normalizes without its scheduler.
+        return {**self.__dict__, "_pipe": None, "_host": None}
 
     def _scheduler_timesteps(self) -> tuple[list[float], float] | None:
         pipe = self._pipe() if self._pipe is not None else None
@@ -114,13 +124,105 @@ def check_processor(processor: Any, where: str) -> None:
         )
 
 
-class _DenoiseTrackingHook(ModelHook):
-    """Hands each forward's ``timestep`` tensor to the processor before the forward runs."""
+class TimestepTracker:
+    """The denoising timestep of the transformer(s) it belongs to, and the step count of their run.
 
-    def __init__(self, processor: Any, normalizer: TimestepNormalizer, timestep_index: int | None) -> None:
+    One tracker serves one transformer, or every transformer of one pipeline (Wan 2.2's
+    two experts share their steps). Layers read it inside the attention op; nothing
+    about a call is process-wide, so models in different threads never see each
+    other's ``t``. Set by the tracking hook (a tensor, read once per forward), by
+    ``DenoiseStepCallback`` or ``TrtllmAttnProcessor.set_timestep`` (a float).
+    """
+
+    def __init__(self) -> None:
+        self.tensor: torch.Tensor | None = None
+        self.normalizer: TimestepNormalizer | None = None
+        self.value: float | None = None
+        self.detached = False
+        #: Run counter: bumped when t rises (a new pipeline run), so layer statistics restart.
+        self.run = 0
+        self.step = 0
+        self._calls_in_step = 0
+        self._last_t: float | None = None
+        self._cache: tuple | None = None
+
+    def __getstate__(self) -> dict:
+        # The tensor and its cache belong to a forward in flight.
+        return {**self.__dict__, "tensor": None, "_cache": None}
+
+    def publish(self, t: float | None) -> None:
+        """A normalized ``t`` for the next forwards (callback or user), or None for "unknown"."""
+        self.value = t
+        if t is not None:
+            self._observe(t)
+
+    def read(self, tensor: torch.Tensor | None) -> float | None:
+        """``t`` of the forward in flight: from the hook's tensor (the largest entry: per-token timesteps
+        keep the noise level of the tokens being generated) or the published value."""
+        if tensor is None or self.normalizer is None:
+            return self.value
+        hit = self._cache
+        if hit is not None and hit[0]() is tensor and hit[1] == tensor._version:
+            return hit[2]
+        t = self.normalizer(float(tensor.detach().max()))  # one sync per transformer forward
+        self._cache = (weakref.ref(tensor), tensor._version, t)
+        self._observe(t)
+        return t
+
+    def _observe(self, t: float) -> None:
+        """Advance the step when t changes; a rising t starts a new run."""
+        last = self._last_t
+        if last is not None and t > last + 1e-6:
+            self.reset()
+        elif t != last and self._calls_in_step:
+            self.step += 1
+            self._calls_in_step = 0
+        self._last_t = t
+
+    def count_call(self) -> int | None:
+        """Count one served call; its step, or None when no timestep was ever seen (untimed)."""
+        self._calls_in_step += 1
+        return self.step if self.timed else None
+
+    @property
+    def timed(self) -> bool:
+        """Whether a timestep source is attached (hook) or was ever published (callback)."""
+        return self.normalizer is not None or self._last_t is not None
+
+    def reset(self) -> None:
+        """Start a new run: step 0, statistics of its layers start afresh."""
+        self.run += 1
+        self.step = 0
+        self._calls_in_step = 0
+        self._last_t = None
+
+    def detach(self) -> None:
+        self.tensor = None
+        self.normalizer = None
+        self.value = None
+        self.detached = True
+
+
+TRACKER_ATTR = "_trtllm_tracker"
+
+
+def tracker_of(transformer: torch.nn.Module, shared: TimestepTracker | None = None) -> TimestepTracker:
+    """The transformer's tracker (created, or ``shared`` adopted), linked to every layer it holds."""
+    tracker = shared or transformer.__dict__.get(TRACKER_ATTR) or TimestepTracker()
+    transformer.__dict__[TRACKER_ATTR] = tracker
+    for module in transformer.modules():
+        state = module.__dict__.get("_trtllm_layer")
+        if state is not None:
+            state.tracker = tracker
+    return tracker
+
+
+class _DenoiseTrackingHook(ModelHook):
+    """Hands each forward's ``timestep`` tensor to the transformer's tracker before the forward runs."""
+
+    def __init__(self, tracker: TimestepTracker, timestep_index: int | None) -> None:
         super().__init__()
-        self.processor = processor
-        self.normalizer = normalizer
+        self.tracker = tracker
         self.timestep_index = timestep_index
 
     def pre_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any):
@@ -128,11 +230,10 @@ class _DenoiseTrackingHook(ModelHook):
         if timestep is None and self.timestep_index is not None and self.timestep_index < len(args):
             timestep = args[self.timestep_index]
         if isinstance(timestep, torch.Tensor):
-            self.processor._t_tensor = timestep
-            self.processor._t_normalizer = self.normalizer
+            self.tracker.tensor = timestep
         elif isinstance(timestep, (int, float)):
-            self.processor._t_tensor = None
-            self.processor._t_value = self.normalizer(float(timestep))
+            self.tracker.tensor = None
+            self.tracker.publish(self.tracker.normalizer(float(timestep)))
         return args, kwargs
 
 
@@ -149,38 +250,48 @@ def _transformers(target: Any) -> list[torch.nn.Module]:
     return found
 
 
-def attach_denoise_tracking(target: Any, processor: Any, timestep_divisor: float | None = None) -> Any:
-    """Publish every step's normalized ``t`` to ``processor`` before that step's transformer forward.
+def attach_denoise_tracking(target: Any, processor: Any = None, timestep_divisor: float | None = None) -> Any:
+    """Publish every step's normalized ``t`` to the layers of ``target`` before that step's transformer forward.
 
-    ``target``: a pipeline (hooks ``transformer`` and ``transformer_2``) or a transformer.
+    ``target``: a pipeline (hooks ``transformer`` and ``transformer_2``, which then share one
+    step count) or a transformer. ``processor`` is accepted for compatibility: the timestep
+    belongs to the transformer, whichever processor serves it.
     ``timestep_divisor``: force the normalization (1 if the transformer gets ``t`` in [0, 1],
     ``num_train_timesteps`` if raw); by default it is detected against ``pipe.scheduler``.
     Returns ``target``. Attaching twice replaces the earlier hook.
     """
-    check_processor(processor, "attach_denoise_tracking")
+    if processor is not None:
+        check_processor(processor, "attach_denoise_tracking")
     transformers = _transformers(target)
     pipe = None if isinstance(target, torch.nn.Module) else target
     normalizer = TimestepNormalizer(pipe, timestep_divisor)
+    tracker = tracker_of(transformers[0])
     for transformer in transformers:
+        tracker_of(transformer, tracker)
         params = list(inspect.signature(transformer.forward).parameters)
         index = params.index("timestep") if "timestep" in params else None
         registry = HookRegistry.check_if_exists_or_initialize(transformer)
         if registry.get_hook(HOOK_NAME) is not None:
             registry.remove_hook(HOOK_NAME, recurse=False)
-        registry.register_hook(_DenoiseTrackingHook(processor, normalizer, index), HOOK_NAME)
+        registry.register_hook(_DenoiseTrackingHook(tracker, index), HOOK_NAME)
+    tracker.normalizer = normalizer
+    tracker.detached = False
     return target
 
 
 def detach_denoise_tracking(target: Any) -> None:
-    """Remove the hooks ``attach_denoise_tracking`` added."""
+    """Remove the hooks ``attach_denoise_tracking`` added; gated layers then run dense (one warning)."""
     for transformer in _transformers(target):
         registry = getattr(transformer, "_diffusers_hook", None)
         if registry is not None and registry.get_hook(HOOK_NAME) is not None:
             registry.remove_hook(HOOK_NAME, recurse=False)
+        tracker = transformer.__dict__.get(TRACKER_ATTR)
+        if tracker is not None:
+            tracker.detach()
 
 
 class DenoiseStepCallback(PipelineCallback):
-    """``callback_on_step_end`` that publishes the next step's normalized ``t`` to the processor.
+    """``callback_on_step_end`` that publishes the next step's normalized ``t`` to the pipeline's transformers.
 
     Works alone (the first step then runs dense) or inside ``MultiPipelineCallbacks``;
     with ``attach_denoise_tracking`` as well, the hook's reading wins.
@@ -205,7 +316,16 @@ class DenoiseStepCallback(PipelineCallback):
         if nxt < len(timesteps):
             t_next = min(max(float(timesteps[nxt]) / _num_train_timesteps(scheduler), 0.0), 1.0)
         # After the last step nothing is known until the next run's first callback.
-        self.processor.set_timestep(t_next)
+        if t_next is not None and not 0.0 <= t_next <= 1.0:
+            raise ValueError(f"t must be a normalized timestep in [0, 1]; got {t_next!r}.")
+        transformers = [m for m in (getattr(pipeline, a, None) for a in _TRANSFORMER_ATTRS) if isinstance(m, torch.nn.Module)]
+        if transformers:
+            tracker = tracker_of(transformers[0])
+            for transformer in transformers[1:]:
+                tracker_of(transformer, tracker)
+            tracker.publish(t_next)
+        else:
+            self.processor.set_timestep(t_next)
         if self.on_step is not None:
             self.on_step(step_index, t_next)
         return callback_kwargs

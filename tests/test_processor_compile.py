@@ -7,10 +7,10 @@ import torch
 import torch._dynamo
 
 import tiny_models
-from diffusers_trtllm import TrtllmAttnProcessor, attach_denoise_tracking
+from diffusers_trtllm import TrtllmAttnProcessor, attach_denoise_tracking, install
 
 
-@pytest.mark.parametrize("family", ["flux", "wan_t2v", "sd3"])
+@pytest.mark.parametrize("family", ["flux", "wan_t2v", "sd3", "qwenimage", "hunyuanvideo"])
 def test_no_graph_break(family):
     model, inputs = tiny_models.build(family)
     proc = TrtllmAttnProcessor(skip_softmax_threshold=0.3, disabled_until_timestep=0.9, backend="reference")
@@ -39,3 +39,27 @@ def test_compiled_transformer_matches_eager():
         out = compiled(**inputs)[0]
     torch.testing.assert_close(out, eager)
     assert [(round(r["t"], 3), r["mode"]) for r in proc.step_table()] == [(0.95, "dense"), (0.5, "sparse")]
+
+
+@pytest.mark.parametrize("family,block_classes", [("flux", 2), ("wan_t2v", 1)])
+def test_regional_compile_one_graph_per_block_class(family, block_classes):
+    """``compile_repeated_blocks(fullgraph=True)``: no graph break, no recompile per layer or per step."""
+    from torch._dynamo.utils import counters
+
+    model, inputs = tiny_models.build(family)
+    proc = TrtllmAttnProcessor(skip_softmax_threshold=0.3, disabled_until_timestep=0.6, backend="reference")
+    install(model, proc)
+    divisor = 1.0 if family == "flux" else 1000.0
+    attach_denoise_tracking(model, timestep_divisor=divisor)
+    torch._dynamo.reset()
+    counters.clear()
+    at = [dict(inputs, timestep=torch.full_like(inputs["timestep"], t * divisor)) for t in (0.9, 0.5, 0.1)]
+    with torch.no_grad():
+        eager = model(**at[-1])[0]
+        model.compile_repeated_blocks(fullgraph=True, backend="eager")
+        for step_inputs in at:  # across the gate: dense, then sparse
+            out = model(**step_inputs)[0]
+    torch.testing.assert_close(out, eager)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == block_classes, dict(counters["stats"])
+    assert [r["mode"] for r in proc.step_table()] == ["dense", "sparse", "sparse"]

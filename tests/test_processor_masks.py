@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import tiny_models
 from diffusers_trtllm import TrtllmAttnProcessor
-from diffusers_trtllm import processor as processor_module
+from diffusers_trtllm import layer as layer_module
+from diffusers_trtllm.layout import MaskNotSupportedError
 
 
 def _run(model, inputs):
@@ -23,8 +25,8 @@ def test_qwenimage_padding_in_the_middle_matches_stock_masked_sdpa(monkeypatch):
     stock = _run(model, inputs)
 
     builds = []
-    original = processor_module.build_layout
-    monkeypatch.setattr(processor_module, "build_layout", lambda *a, **k: builds.append(1) or original(*a, **k))
+    original = layer_module.build_layout
+    monkeypatch.setattr(layer_module, "build_layout", lambda *a, **k: builds.append(1) or original(*a, **k))
     proc = TrtllmAttnProcessor()
     model.set_attn_processor(proc)
     out = _run(model, inputs)
@@ -111,3 +113,40 @@ def test_ambiguous_2d_mask_is_refused():
     same_rows = torch.tensor([[True, True, True, False]]).expand(4, 4)  # both readings agree
     expected = attention(q, q, q, attn_mask=same_rows[:1].expand(4, 4)[:, None, None, :], backend="reference")
     torch.testing.assert_close(attention(q, q, q, attn_mask=same_rows, backend="reference"), expected)
+
+
+def test_outer_product_mask_packs_keys_and_keeps_stock_rows_for_padded_queries():
+    """Chroma's mask is (text padding | image) x itself: valid queries run on our kernel over the valid
+    keys; padded queries (which attend to nothing) get exactly the stock kernel's rows."""
+    import family_models
+
+    model, inputs = family_models.build("ChromaTransformer")
+    text = inputs["encoder_hidden_states"].shape[1]
+    image = inputs["hidden_states"].shape[1]
+    mask = torch.ones(1, text + image, dtype=torch.bool)
+    mask[0, 5:text] = False  # text padding
+    inputs["attention_mask"] = mask
+    stock = _run(model, inputs)
+    proc = TrtllmAttnProcessor()
+    model.set_attn_processor(proc)
+    torch.testing.assert_close(_run(model, inputs), stock, rtol=1e-5, atol=1e-5, equal_nan=True)
+    routes = {r.route for s in proc.layers for r in s.records}
+    assert routes == {"sdpa"}, routes  # served, not left on the stock path
+
+
+def test_outer_product_mask_rows_match_masked_sdpa():
+    from diffusers_trtllm.layout import query_key_masks
+
+    q_mask = torch.tensor([[True, True, False, True]])
+    kv_mask = torch.tensor([[True, False, True, True, True]])
+    outer = q_mask[:, None, :, None] & kv_mask[:, None, None, :]
+    got_q, got_kv = query_key_masks(outer, 1, 4, 5)
+    assert torch.equal(got_q, q_mask) and torch.equal(got_kv, kv_mask)
+    additive = torch.zeros(1, 1, 4, 5).masked_fill(~outer, float("-inf"))
+    assert torch.equal(query_key_masks(additive, 1, 4, 5)[1], kv_mask)
+    refiner = outer.clone()
+    refiner[0, 0, 2, 0] = True  # HunyuanVideo's refiner: a padded query attends to the first key
+    assert torch.equal(query_key_masks(refiner, 1, 4, 5)[0], q_mask)
+    causal = torch.ones(4, 4, dtype=torch.bool).tril()
+    with pytest.raises(MaskNotSupportedError):
+        query_key_masks(causal, 1, 4, 4)

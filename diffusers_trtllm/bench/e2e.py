@@ -31,7 +31,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from .. import families
+from ..integration.roles import guess_role
 from .cli import add_common_args, floats, names
 from .inputs import spy_sdpa
 from .models import MODELS, ModelSpec, build_model, local_attention, model_inputs
@@ -225,7 +225,7 @@ def _self_attention_calls(model: torch.nn.Module) -> int:
     count = 0
     for key in model.attn_processors:
         name = key.removesuffix(".processor")
-        count += families.infer_role(name, model.get_submodule(name), None) != "cross"
+        count += guess_role(name, model.get_submodule(name)) != "cross"
     return count
 
 

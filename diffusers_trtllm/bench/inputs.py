@@ -68,7 +68,7 @@ def _image_grid(tokens: int, width: int = 64) -> tuple[int, int]:
     return (-(-tokens // width), width)
 
 
-#: DESIGN.md's standard shapes (bf16, non-causal), plus a tiny one for CPU smoke tests.
+#: The standard shapes of docs/design.md (bf16, non-causal), plus a tiny one for CPU smoke tests.
 SHAPES: dict[str, Shape] = {
     s.name: s
     for s in (

@@ -24,7 +24,7 @@ from typing import Any, Iterator
 
 import torch
 
-from .. import families
+from ..integration.roles import guess_role
 
 __all__ = ["ModelSpec", "MODELS", "build_model", "model_inputs", "local_attention", "normalized_to_model_timestep"]
 
@@ -221,7 +221,7 @@ def local_attention(model: torch.nn.Module, contrast: float, *, seed: int = 0) -
         for name, module in model.named_modules():
             if not (hasattr(module, "to_q") and hasattr(module, "to_k") and hasattr(module, "heads")):
                 continue
-            if families.infer_role(name, module, None) == "cross":
+            if guess_role(name, module) == "cross":
                 continue
             inner = module.to_q.out_features
             head_dim = inner // module.heads

@@ -1,6 +1,6 @@
 """``fa3`` route: FlashInfer's FlashAttention-3 prefill kernels (``backend="fa3"``), dense, SM90.
 
-The fastest dense kernel measured on the H200 for most shapes (DESIGN.md). One
+The fastest dense kernel measured on the H200 for most shapes (README, Hopper). One
 sequence goes to ``single_prefill_with_kv_cache`` (no planning); a ragged batch
 to ``BatchPrefillWithRaggedKVCacheWrapper``, planned once per layout from the
 host-side lengths (no device sync) and kept for the next layers of the same forward.

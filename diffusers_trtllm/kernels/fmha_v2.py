@@ -7,7 +7,7 @@ non-causal attention inside each sequence; an unknown mode string would silently
 mean causal). In FlashInfer 0.7.4 the skip rule, per sequence, is
 ``exp(local_max - running_max) < skip_softmax_threshold_scale_factor / kv_len``,
 voted over 64 query rows (one warpgroup) and one KV step (256 / 128 / 64 keys for
-head dim 64 / 128 / 256), the first KV step never skipped: DESIGN.md's rule, with
+head dim 64 / 128 / 256), the first KV step never skipped: docs/design.md's rule (Semantics), with
 those tiles. SM120 gets dense kernels only (no skip-softmax kernels are generated
 there). Everything compiles by JIT on first use (about 80 s per dtype).
 

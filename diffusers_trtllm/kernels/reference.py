@@ -17,7 +17,7 @@ from ..routes import AttentionCall, AttentionResult, Capabilities, Route, regist
 
 __all__ = ["ReferenceResult", "ReferenceRoute", "reference_attention", "sage_quantize", "SageTensors", "P_FP8_SCALE"]
 
-#: Floor of a block's amax before it becomes a scale (DESIGN.md).
+#: Floor of a block's amax before it becomes a scale (docs/design.md, SAGE quantization).
 AMAX_FLOOR = 1.0e-3
 FP8_MAX = 448.0
 #: P (in [0, 1]) is multiplied by this before its fp8 cast for the P·V product.
@@ -93,7 +93,7 @@ def sage_quantize(
     kv_lens: tuple[int, ...],
     quant: QuantConfig,
 ) -> SageTensors:
-    """SAGE quantization of packed ``[tokens, heads, dim]`` Q, K, V (DESIGN.md's layout)."""
+    """SAGE quantization of packed ``[tokens, heads, dim]`` Q, K, V (docs/design.md, SAGE quantization)."""
     k = k.float()
     if quant.smooth_k:
         k = k - k.mean(dim=0, keepdim=True)

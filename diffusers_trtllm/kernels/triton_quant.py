@@ -1,6 +1,6 @@
 """SAGE quantization for the ``triton`` route: one fused Triton pass over Q, K and V.
 
-Produces DESIGN.md's layout (the one ``reference.sage_quantize`` defines): Q/K int8
+Produces docs/design.md's layout (the one ``reference.sage_quantize`` defines): Q/K int8
 or fp8 e4m3 with one scale per (head, block of consecutive tokens of one
 sequence), V fp8 e4m3 with one scale per (head, channel). Two small torch
 reductions run first (V's per-channel amax and, with ``smooth_k``, K's mean over

@@ -1,0 +1,322 @@
+"""Routing a family's core attention call to our kernels, keeping everything else stock.
+
+Each family's own processor (projections, QK norm, RoPE, text concatenation) keeps
+running; only the attention call inside it is redirected. While one of our layers
+runs its stock processor, this thread's :data:`_CALL` names that layer, and the
+functions the processor reaches for are rebound in its module:
+
+- ``dispatch_attention_fn`` (Flux, Wan, LTX, Qwen-Image, Cosmos, ...: every
+  ``AttentionModuleMixin`` family, with or without ``backend=``), and
+- ``F`` (``torch.nn.functional``), whose ``scaled_dot_product_attention`` the older
+  processors (SD3, CogVideoX, ``AttnProcessor2_0``) call directly.
+
+The rebound functions take ``*args, **kwargs`` and hand them unchanged to Diffusers'
+or torch's own function unless this thread is running one of our layers and the
+call is one we serve (no dropout, not causal, no context parallelism, no autograd,
+no argument we do not know). So a stock model, in any thread, is never routed, and
+a new Diffusers argument passes through. Everything rebound is recorded and
+:func:`restore_globals` puts it back.
+
+Served calls go through one ``torch.library.custom_op`` that finds its layer by a
+small per-layer tensor (``LayerState.key``), not by a Python int: ``torch.compile``
+then sees one opaque op, no graph break, and no guard on which layer it is (layers
+configured alike share one compiled graph). See docs/design.md.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import threading
+import types
+import weakref
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as torch_F
+
+from .._logging import info_once
+
+__all__ = [
+    "register_layer", "unregister_layer", "live_layers", "call_stock", "ensure_routing", "restore_globals",
+    "rebound_modules", "stock_attention",
+]
+
+#: Per thread: the layer whose stock processor is running, and facts about its call.
+_CALL = threading.local()
+
+#: Layer key -> per-layer state (the object stored on the attention module as ``_trtllm_layer``).
+_LAYERS: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+_next_key = 0
+_KEY_LOCK = threading.Lock()
+
+#: Module name -> {global name: Diffusers' or torch's original} for everything we rebound.
+_REBOUND: dict[str, dict[str, Any]] = {}
+
+
+def register_layer(state: Any) -> torch.Tensor:
+    """A fresh key (a 0-d CPU int64 tensor) under which the custom op finds ``state``."""
+    global _next_key
+    with _KEY_LOCK:
+        _next_key += 1
+        key = _next_key
+    _LAYERS[key] = state
+    return torch.tensor(key, dtype=torch.int64)
+
+
+def unregister_layer(key: torch.Tensor) -> None:
+    _LAYERS.pop(int(key), None)
+
+
+def live_layers() -> int:
+    """How many layers of ours are alive (registered and not garbage-collected)."""
+    return len(_LAYERS)
+
+
+# ---- the custom op -------------------------------------------------------------------------
+@torch.library.custom_op("diffusers_trtllm::attention", mutates_args=())
+def _attention_op(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: Optional[torch.Tensor],
+    mask_source: Optional[torch.Tensor],
+    timestep: Optional[torch.Tensor],
+    layer_key: torch.Tensor,
+    scale: Optional[float],
+    hidden_len: int,
+    encoder_len: int,
+    via_sdpa: bool,
+) -> torch.Tensor:
+    """``[B, S, H, D]`` attention of the layer named by ``layer_key`` (opaque to ``torch.compile``).
+
+    ``hidden_len`` / ``encoder_len``: token counts of the processor's inputs (-1: absent), from
+    which the layer learns its role; ``via_sdpa``: the call came through ``F`` (its stock path).
+    """
+    state = _LAYERS.get(int(layer_key))
+    if state is None:
+        raise RuntimeError(
+            f"diffusers_trtllm: attention layer {int(layer_key)} is gone (its module was freed or uninstalled); "
+            "reinstall the processor with diffusers_trtllm.install(model, proc)."
+        )
+    return state.serve(query, key, value, attn_mask, mask_source, timestep, scale, hidden_len, encoder_len, via_sdpa)
+
+
+@_attention_op.register_fake
+def _attention_fake(query, key, value, attn_mask, mask_source, timestep, layer_key, scale, hidden_len, encoder_len,
+                    via_sdpa):
+    return query.new_empty(*query.shape[:-1], value.shape[-1])
+
+
+# ---- the call in flight (this thread only) ------------------------------------------------
+def _tokens(x: Any) -> int:
+    """Token count of a processor's ``hidden_states`` / ``encoder_hidden_states`` (-1: not a tensor)."""
+    if not isinstance(x, torch.Tensor):
+        return -1
+    if x.ndim == 4:  # UNet attention gets [B, C, H, W] and flattens it
+        return x.shape[2] * x.shape[3]
+    return x.shape[1] if x.ndim >= 2 else -1
+
+
+def _argument(index: int | None, name: str, args: tuple, kwargs: dict) -> Any:
+    if name in kwargs:
+        return kwargs[name]
+    if index is not None and index < len(args):
+        return args[index]
+    return None
+
+
+def _mask_source(mask_params: tuple[tuple[int, str], ...], args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
+    """The one mask tensor the caller passed (the family derives its attention mask from it), else None."""
+    found = None
+    for index, name in mask_params:
+        value = _argument(index, name, args, kwargs)
+        if value is not None:
+            if found is not None:
+                return None
+            found = value
+    return found if isinstance(found, torch.Tensor) else None
+
+
+def call_stock(state: Any, attn: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
+    """Run the layer's stock processor with this thread's calls to it routed to ``state``."""
+    previous = getattr(_CALL, "layer", None)
+    _CALL.layer = state
+    _CALL.mask_source = _mask_source(state.mask_params, args, kwargs)
+    hidden = _argument(state.hidden_index, "hidden_states", args, kwargs)
+    encoder = _argument(state.encoder_index, "encoder_hidden_states", args, kwargs)
+    _CALL.hidden_len = _tokens(hidden)
+    _CALL.encoder_len = -1 if encoder is hidden else _tokens(encoder)  # OmniGen passes hidden states twice
+    try:
+        return state.stock(attn, *args, **kwargs)
+    finally:
+        _CALL.layer = previous
+        _CALL.mask_source = None
+
+
+def _route(state: Any, query, key, value, attn_mask, scale, via_sdpa: bool) -> torch.Tensor:
+    tracker = state.tracker
+    return torch.ops.diffusers_trtllm.attention(
+        query, key, value, attn_mask, _CALL.mask_source, tracker.tensor if tracker is not None else None,
+        state.key, scale, _CALL.hidden_len, _CALL.encoder_len, via_sdpa,
+    )
+
+
+# ---- argument handling, derived from the installed functions -----------------------------
+#: Arguments we serve, and the value each must have for us to serve the call.
+_MUST_BE = {"dropout_p": (0.0, 0), "is_causal": (False, None), "attention_kwargs": (None,), "parallel_config": (None,)}
+_USED = ("attn_mask", "scale")
+_IGNORED = ("enable_gqa", "backend")  # GQA follows from the head counts; the backend is the stock path's
+
+
+def _positional_names(fn: Callable) -> tuple[str, ...]:
+    """Names of ``fn``'s positional parameters after query, key, value."""
+    params = [p for p in inspect.signature(fn).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return tuple(p.name for p in params[3:])
+
+
+def _servable_arguments(names: tuple[str, ...], args: tuple, kwargs: dict, query: torch.Tensor) -> Optional[dict]:
+    """``{"attn_mask", "scale"}`` if we serve this call, else None (it then runs stock, unchanged)."""
+    if torch.is_grad_enabled() and query.requires_grad:
+        return None
+    if len(args) > len(names):
+        return None
+    given = dict(zip(names, args))
+    given.update(kwargs)
+    mask = given.get("attn_mask")
+    if mask is not None and not isinstance(mask, torch.Tensor):
+        return None  # a flex-attention BlockMask and the like
+    for name, value in given.items():
+        if name in _MUST_BE:
+            if value not in _MUST_BE[name] and not (name == "attention_kwargs" and not value):
+                return None
+        elif name not in _USED and name not in _IGNORED and value is not None and value is not False:
+            info_once(("unknown-argument", name),
+                      "diffusers_trtllm: attention called with %s=%r, which it does not know; that call runs stock.",
+                      name, value)
+            return None
+    return {"attn_mask": given.get("attn_mask"), "scale": given.get("scale")}
+
+
+def _routed_dispatch(original: Callable) -> Callable:
+    names = _positional_names(original)
+
+    def dispatch_attention_fn(query, key, value, *args, **kwargs):
+        state = getattr(_CALL, "layer", None)
+        if state is not None:
+            served = _servable_arguments(names, args, kwargs, query)
+            if served is not None:
+                return _route(state, query, key, value, served["attn_mask"], served["scale"], False)
+        return original(query, key, value, *args, **kwargs)
+
+    dispatch_attention_fn._trtllm_original = original  # type: ignore[attr-defined]
+    return dispatch_attention_fn
+
+
+def _sdpa_names() -> tuple[str, ...]:
+    try:
+        return _positional_names(torch_F.scaled_dot_product_attention)
+    except (TypeError, ValueError):  # a builtin without a signature: torch's documented order
+        return ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+_SDPA_NAMES = _sdpa_names()
+
+
+def _routed_sdpa(query, key, value, *args, **kwargs):
+    """``F.scaled_dot_product_attention`` (``[B, H, S, D]``) that routes while one of our layers runs here."""
+    state = getattr(_CALL, "layer", None)
+    if state is not None:
+        served = _servable_arguments(_SDPA_NAMES, args, kwargs, query)
+        if served is not None:
+            out = _route(state, query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                         served["attn_mask"], served["scale"], True)
+            return out.transpose(1, 2)
+    return torch_F.scaled_dot_product_attention(query, key, value, *args, **kwargs)
+
+
+#: ``torch.nn.functional`` with a routing ``scaled_dot_product_attention``.
+_F_PROXY = types.ModuleType("diffusers_trtllm.functional", "torch.nn.functional with routed SDPA")
+_F_PROXY.__dict__.update({k: v for k, v in vars(torch_F).items() if not k.startswith("__")})
+_F_PROXY.scaled_dot_product_attention = _routed_sdpa
+
+
+# ---- rebinding a module's globals, and putting them back ----------------------------------
+def _call_names(stock: Any) -> set[str]:
+    """Global names the stock processor's ``__call__`` refers to."""
+    code = getattr(getattr(type(stock), "__call__", None), "__code__", None)
+    return set(code.co_names) if code is not None else set()
+
+
+def serving_mode(stock: Any) -> tuple[Optional[str], str]:
+    """How a stock processor's attention call is routed: ``("dispatch"|"sdpa"|None, reason)``."""
+    module = sys.modules.get(type(stock).__module__)
+    if module is None:
+        return None, f"its module {type(stock).__module__!r} is not loaded"
+    names = _call_names(stock)
+    has_dispatch = callable(getattr(module, "dispatch_attention_fn", None))
+    has_sdpa = getattr(module, "F", None) in (torch_F, _F_PROXY)
+    if "dispatch_attention_fn" in names and has_dispatch:
+        return "dispatch", ""
+    if "scaled_dot_product_attention" in names and has_sdpa:
+        return "sdpa", ""
+    if has_dispatch and hasattr(stock, "_attention_backend"):
+        return "dispatch", ""  # the call sits in a helper of the same module (Flux2's KV-cache helpers)
+    return None, f"{type(stock).__name__} calls neither dispatch_attention_fn nor F.scaled_dot_product_attention"
+
+
+def ensure_routing(stock: Any) -> None:
+    """Rebind the stock processor's module globals (once per module) so its attention calls can route."""
+    module = sys.modules.get(type(stock).__module__)
+    if module is None:
+        return
+    saved = _REBOUND.setdefault(module.__name__, {})
+    current = getattr(module, "dispatch_attention_fn", None)
+    if callable(current) and not hasattr(current, "_trtllm_original"):
+        saved["dispatch_attention_fn"] = current
+        module.dispatch_attention_fn = _routed_dispatch(current)
+    if getattr(module, "F", None) is torch_F:
+        saved["F"] = torch_F
+        module.F = _F_PROXY
+
+
+def restore_globals() -> list[str]:
+    """Put back every module global we rebound; returns the modules touched."""
+    touched = []
+    for name, saved in list(_REBOUND.items()):
+        module = sys.modules.get(name)
+        if module is not None:
+            for attr, original in saved.items():
+                setattr(module, attr, original)
+            touched.append(name)
+        del _REBOUND[name]
+    return touched
+
+
+def rebound_modules() -> list[str]:
+    """Names of the modules whose globals are rebound now."""
+    return sorted(name for name, saved in _REBOUND.items() if saved)
+
+
+def original_dispatch(stock: Any) -> Callable:
+    """Diffusers' ``dispatch_attention_fn`` behind our rebinding, for the stock path."""
+    module = sys.modules[type(stock).__module__]
+    fn = getattr(module, "dispatch_attention_fn", None)
+    if fn is None:
+        from diffusers.models.attention_dispatch import dispatch_attention_fn as fn
+    return getattr(fn, "_trtllm_original", fn)
+
+
+def stock_attention(state: Any, query, key, value, attn_mask, scale, via_sdpa: bool) -> torch.Tensor:
+    """The family's own attention for one call of ``state`` (``[B, S, H, D]``)."""
+    enable_gqa = key.shape[2] != query.shape[2]
+    if via_sdpa:
+        out = torch_F.scaled_dot_product_attention(
+            query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask=attn_mask, scale=scale,
+            enable_gqa=enable_gqa,
+        )
+        return out.transpose(1, 2)
+    backend = getattr(state.stock, "_attention_backend", None)
+    return original_dispatch(state.stock)(query, key, value, attn_mask=attn_mask, scale=scale, enable_gqa=enable_gqa,
+                                          backend=backend)

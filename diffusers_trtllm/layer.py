@@ -1,0 +1,238 @@
+"""Per-layer state, owned by the attention module it serves (``module._trtllm_layer``).
+
+A :class:`LayerState` knows the module's stock processor (which does everything but
+the attention call), how its call is intercepted, its role, calibration, timestep
+tracker and step statistics, and serves one intercepted call (:meth:`LayerState.serve`,
+run inside the custom op). The processor it belongs to holds only settings.
+
+Copies: ``copy.deepcopy`` and ``pickle`` give the copy its own registration (a new key),
+so a copied model is served by its own layers, never by the original's. See docs/design.md.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+from ._logging import info_once, warn_once
+from .attention import build_layout, run_attention
+from .config import SkipSoftmaxConfig
+from .integration import intercept
+from .integration.roles import guess_role, observed_role
+from .layout import MaskNotSupportedError, PackedLayout, query_key_masks
+from .stats import LayerStats, StepRecord
+
+if TYPE_CHECKING:
+    from .processor import Settings, TrtllmAttnProcessor
+    from .timestep import TimestepTracker
+
+__all__ = ["LayerState", "Calibration"]
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """One layer's skip-softmax curve ``factor = a * exp(b * target_sparsity)`` and checkpoint defaults."""
+
+    a: float
+    b: float
+    target_sparsity: float | None = None
+    disabled_until_timestep: float | None = None
+    source: str = ""
+
+
+@dataclass(frozen=True)
+class _MaskPlan:
+    """How a masked call runs: our kernel over ``layout``; queries at ``padded`` (per batch row) stock."""
+
+    layout: PackedLayout
+    padded: tuple[Optional[torch.Tensor], ...] = ()
+
+
+class LayerState:
+    """Everything about one served attention module; see the module docstring."""
+
+    def __init__(self, processor: "TrtllmAttnProcessor", name: str | None = None) -> None:
+        self.processor = processor
+        self.name = name
+        self.role = "self"
+        #: True once a call settled the role (see ``integration.roles``).
+        self.role_observed = False
+        self.stock: Any = None
+        self.mode: str | None = None
+        self.reason = ""
+        self.calibration: Calibration | None = None
+        self.ignored = False
+        self.tracker: "TimestepTracker | None" = None
+        self.stats = LayerStats()
+        self.calls = 0
+        self.module_is_cross: Any = None
+        #: Positions/names of the stock processor's mask arguments, hidden and encoder states.
+        self.mask_params: tuple[tuple[int, str], ...] = ()
+        self.hidden_index: int | None = None
+        self.encoder_index: int | None = None
+        self._settings: "Settings | None" = None
+        self.key = intercept.register_layer(self)
+
+    # ---- copies and pickling: a copy is registered on its own ---------------------------------
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k not in ("key", "_settings")}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._settings = None
+        self.key = intercept.register_layer(self)
+        if self.stock is not None and self.mode is not None:
+            intercept.ensure_routing(self.stock)
+        self.processor._adopt(self)
+
+    # ---- description --------------------------------------------------------------------------
+    @property
+    def label(self) -> str:
+        return self.name or f"<{self.role} attention #{int(self.key)}>"
+
+    @property
+    def records(self) -> list[StepRecord]:
+        """This run's per-step records (bounded, see ``stats``)."""
+        return self.stats.records
+
+    def __repr__(self) -> str:
+        return f"LayerState({self.label!r}, role={self.role!r}, mode={self.mode!r}, steps={len(self.stats)})"
+
+    # ---- binding ------------------------------------------------------------------------------
+    def set_stock(self, stock: Any, module: torch.nn.Module) -> None:
+        """Adopt ``stock`` as the family processor that does everything but the attention call."""
+        self.stock = stock
+        self.mode, self.reason = (None, "no stock processor is known") if stock is None else intercept.serving_mode(stock)
+        self.module_is_cross = getattr(module, "is_cross_attention", None)
+        if not self.role_observed:
+            self.role = guess_role(self.name, module)
+        if self.mode is None:
+            warn_once(("unserved", type(stock).__name__), "TrtllmAttnProcessor: %s keeps its stock attention: %s.",
+                      self.label, self.reason)
+            return
+        intercept.ensure_routing(stock)
+        params = list(inspect.signature(type(stock).__call__).parameters)[2:]  # after self, attn
+        self.mask_params = tuple((i, p) for i, p in enumerate(params) if "mask" in p)
+        self.hidden_index = params.index("hidden_states") if "hidden_states" in params else (0 if params else None)
+        self.encoder_index = params.index("encoder_hidden_states") if "encoder_hidden_states" in params else None
+
+    def rename(self, name: str, module: torch.nn.Module) -> None:
+        self.name = name
+        if not self.role_observed:
+            self.role = guess_role(name, module)
+        self.refresh()
+
+    def settings(self) -> "Settings":
+        if self._settings is None:
+            self._settings = self.processor._settings_for(self)
+        return self._settings
+
+    def refresh(self) -> None:
+        """Forget cached settings after the processor, role or calibration changed."""
+        self._settings = None
+
+    # ---- serving one call (inside the custom op) ---------------------------------------------
+    def serve(self, query, key, value, attn_mask, mask_source, timestep, scale, hidden_len: int, encoder_len: int,
+              via_sdpa: bool) -> torch.Tensor:
+        """Our attention for one intercepted call, ``[B, S, H, D]`` in and out."""
+        if not self.role_observed:
+            self.role = observed_role(self.role, self.module_is_cross, query.shape[1], key.shape[1], hidden_len,
+                                      encoder_len)
+            self.role_observed = True
+            self.refresh()
+        settings = self.settings()
+        if settings.mode == "stock":
+            return intercept.stock_attention(self, query, key, value, attn_mask, scale, via_sdpa)
+        t = self._timestep(timestep)
+        if query.shape[1] == 0 or key.shape[1] == 0:
+            self._record(t, "stock", False, False, None)
+            return intercept.stock_attention(self, query, key, value, attn_mask, scale, via_sdpa)
+        try:
+            plan = self._plan(query, key, attn_mask, mask_source)
+        except MaskNotSupportedError as err:
+            warn_once(("stock-mask", self.role, type(self.stock).__name__),
+                      "TrtllmAttnProcessor: %s attention (%s) keeps its stock path: %s", self.role, self.label, err)
+            self._record(t, "stock", False, False, None)
+            return intercept.stock_attention(self, query, key, value, attn_mask, scale, via_sdpa)
+        layout = plan.layout
+        skip = settings.skip if settings.mode == "trtllm" else None
+        quant = settings.quant if settings.mode == "trtllm" else None
+        if skip is not None and skip.configured and skip.gated and t is None:
+            skip = self._ungated_skip(skip)
+        out, result = run_attention(
+            query, key, value, layout=layout, softmax_scale=scale, skip=skip, quant=quant, timestep=t,
+            backend=settings.backend, fallback=settings.fallback, role=self.role,
+            collect_stats=self.processor.collect_stats, policy=settings.policy,
+        )
+        if plan.padded:
+            out = self._stock_rows(out, plan, query, key, value, attn_mask, scale, via_sdpa)
+        self._record(t, result.route, result.sparse, result.sage, result)
+        return out
+
+    def _ungated_skip(self, skip: SkipSoftmaxConfig) -> SkipSoftmaxConfig | None:
+        """Gated skip-softmax with no known t: say why once, then run dense (never a stale t)."""
+        if self.tracker is not None and self.tracker.detached:
+            warn_once(("detached", id(self.tracker)),
+                      "TrtllmAttnProcessor: denoise tracking was detached, so no timestep is known and gated "
+                      "skip-softmax runs dense; attach_denoise_tracking(pipe) again to gate it.")
+            return None
+        if self.processor._has_callback:
+            info_once(("first-step-dense", id(self.processor)),
+                      "DenoiseStepCallback publishes t after each step, so the first step runs dense; "
+                      "attach_denoise_tracking(pipe, proc) knows t before every step.")
+            return None
+        return skip  # resolve_skip_factor warns once and runs dense
+
+    def _timestep(self, tensor: torch.Tensor | None) -> float | None:
+        if self.tracker is None:
+            return self.processor._t_value
+        t = self.tracker.read(tensor)
+        return t if t is not None or self.tracker.timed else self.processor._t_value
+
+    def _plan(self, query, key, attn_mask, mask_source) -> _MaskPlan:
+        """The layout of this call (cached per mask, so one sync per forward)."""
+        batch, q_len, kv_len = query.shape[0], query.shape[1], key.shape[1]
+        cache = self.processor._layouts
+        if attn_mask is None:
+            return _MaskPlan(cache.dense(batch, q_len, kv_len, query.device))
+
+        def build() -> _MaskPlan:
+            try:
+                return _MaskPlan(build_layout(query, key, attn_mask))
+            except MaskNotSupportedError:
+                q_mask, kv_mask = query_key_masks(attn_mask, batch, q_len, kv_len)  # raises if not separable
+                layout = (cache.dense(batch, q_len, kv_len, query.device) if bool(kv_mask.all())
+                          else PackedLayout.from_masks(batch, q_len, kv_len, kv_mask=kv_mask))
+                padded = tuple(torch.nonzero(~row).reshape(-1) if not bool(row.all()) else None for row in q_mask)
+                return _MaskPlan(layout, padded)
+
+        # Families build their mask from ``mask_source`` afresh in every layer (Qwen-Image, LTX):
+        # key the cache on the source so one forward pays one sync.
+        source = attn_mask if mask_source is None else mask_source
+        extra = (batch, q_len, kv_len, tuple(attn_mask.shape), attn_mask.dtype, type(self.stock))
+        return cache.get(source, extra, build)
+
+    def _stock_rows(self, out, plan: _MaskPlan, query, key, value, attn_mask, scale, via_sdpa) -> torch.Tensor:
+        """Padded queries of an outer-product mask get exactly the stock kernel's rows."""
+        out = out.clone()
+        mask = attn_mask if attn_mask.ndim == 4 else attn_mask.reshape((1,) * (4 - attn_mask.ndim) + tuple(attn_mask.shape))
+        for b, rows in enumerate(plan.padded):
+            if rows is None:
+                continue
+            m = mask[b if mask.shape[0] > 1 else 0][None]
+            m = m[:, :, rows] if m.shape[2] > 1 else m
+            out[b, rows] = intercept.stock_attention(
+                self, query[b:b + 1, rows], key[b:b + 1], value[b:b + 1], m, scale, via_sdpa)[0]
+        return out
+
+    def _record(self, t: float | None, route: str, sparse: bool, sage: bool, result: Any) -> None:
+        step = self.tracker.count_call() if self.tracker is not None else None
+        self.calls += 1
+        self.stats.add(
+            self.tracker.run if self.tracker is not None else None,
+            self.calls - 1 if step is None else step, t, route, sparse, sage,
+            getattr(result, "skipped_tiles", None), getattr(result, "total_tiles", None), getattr(result, "note", None),
+        )
