@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from .kernels._dense_order import TEXT_KV
 from .routes import AttentionCall, device_sm
 
-__all__ = ["POLICIES", "SHORT_KV", "SAGE_MIN_KV_SM90", "PolicyDecision", "apply_policy"]
+__all__ = ["POLICIES", "SHORT_KV", "SAGE_MIN_KV_SM90", "SAGE_INT8_MIN_KV_SM90", "PolicyDecision", "apply_policy"]
 
 POLICIES = ("auto", "always")
 
@@ -33,9 +33,15 @@ POLICIES = ("auto", "always")
 SHORT_KV = TEXT_KV
 
 #: On SM90, SAGE pays from this KV length. Measured on the H200 (vs cuDNN, whole call with quantization):
-#: Wan-14B self-attention (32,760 keys) fmha-v2-fp8 1.43x and triton int8 1.16x, against fa3 dense 1.13x;
-#: Flux (4,608 keys) 0.54x and 0.49x, against fa3 dense 1.06x.
+#: Wan-14B self-attention (32,760 keys) fmha-v2-fp8 1.42x against fa3 dense 1.12x;
+#: Flux (4,608 keys) fmha-v2-fp8 0.56x and triton int8 0.58x, against fa3 dense 1.03x.
 SAGE_MIN_KV_SM90 = 16384
+
+#: int8 SAGE runs on the project's Triton kernel on SM90, which is slower than fa3 dense at Wan 480p:
+#: 1.09x cuDNN against fa3's 1.12x (32,760 keys), and 1.02x against 1.055x for a whole Wan-14B forward
+#: (benchmarks/results/e2e_h200.md). At 720p (75,600 keys) it ran 1.23x against fa3's 1.11x
+#: (benchmarks/results/triton_h200.md, before the kernel's overflow fixes cost ~6%).
+SAGE_INT8_MIN_KV_SM90 = 65536
 
 
 @dataclass(frozen=True)
@@ -66,7 +72,11 @@ def apply_policy(call: AttentionCall, policy: str = "auto") -> PolicyDecision:
     if call.skip_factor is not None and kv <= SHORT_KV:
         dropped.append(f"skip-softmax off: {kv} keys <= {SHORT_KV}, too few tiles to skip")
         call = replace(call, skip_factor=None)
-    if call.quant is not None and device_sm(call.q.device) == 90 and kv < SAGE_MIN_KV_SM90:
-        dropped.append(f"SAGE off: {kv} keys < {SAGE_MIN_KV_SM90}, quantizing costs more than it saves on SM90")
-        call = replace(call, quant=None)
+    if call.quant is not None and device_sm(call.q.device) == 90:
+        int8 = call.quant.dtype_qk == "int8"
+        least = SAGE_INT8_MIN_KV_SM90 if int8 else SAGE_MIN_KV_SM90
+        if kv < least:
+            why = "int8 SAGE (triton) is slower than fa3 dense" if int8 else "quantizing costs more than it saves"
+            dropped.append(f"SAGE off: {kv} keys < {least}, {why} on SM90")
+            call = replace(call, quant=None)
     return PolicyDecision(call, tuple(dropped))

@@ -39,10 +39,15 @@ def test_short_kv_runs_without_skip_and_sage_on_sm90(on_gpu):
 
 
 def test_sage_needs_a_long_kv_on_sm90_only(on_gpu):
-    image = policy_mod.apply_policy(_call(4608))
+    fp8 = QuantConfig(dtype_qk="fp8_e4m3")
+    image = policy_mod.apply_policy(_call(4608, quant=fp8))
     assert image.call.skip_factor == 1.0 and image.call.quant is None and "4608 keys < 16384" in image.note
-    video = policy_mod.apply_policy(_call(32760))
-    assert video.call.skip_factor == 1.0 and video.call.quant == INT8 and video.note is None
+    video = policy_mod.apply_policy(_call(32760, quant=fp8))
+    assert video.call.skip_factor == 1.0 and video.call.quant == fp8 and video.note is None
+    # int8 SAGE runs on the Triton kernel, slower than fa3 dense at 480p: it pays from 65,536 keys
+    wan480 = policy_mod.apply_policy(_call(32760))
+    assert wan480.call.quant is None and "int8 SAGE (triton) is slower than fa3 dense" in wan480.note
+    assert policy_mod.apply_policy(_call(75600)).call.quant == INT8
     on_gpu(100)  # not measured on Blackwell: SAGE stays; the short-KV skip rule holds everywhere
     blackwell = policy_mod.apply_policy(_call(512))
     assert blackwell.call.quant == INT8 and blackwell.call.skip_factor is None
