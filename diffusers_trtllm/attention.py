@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import replace
 from typing import Any, Mapping
 
@@ -161,11 +162,13 @@ def run_attention(
     collect_stats: bool = False,
     layout_cache: LayoutCache | None = None,
     policy: str = "auto",
+    honour: Collection[str] = (),
 ) -> tuple[torch.Tensor, AttentionResult]:
     """Attention over ``[batch, tokens, heads, dim]`` tensors; returns the output and the route's result.
 
     ``policy="auto"`` runs dense where skip-softmax or SAGE cannot pay off on this call
-    (``policy.apply_policy``: measured rules, CUDA only); ``"always"`` honours the request.
+    (``policy.apply_policy``: measured rules, CUDA only); ``"always"`` honours the request, and
+    ``honour`` keeps the named features (``"skip"``, ``"sage"``) whatever the rules say.
     ``skip`` and ``quant`` take every form ``SkipSoftmaxConfig.coerce`` / ``QuantConfig.coerce``
     accept (a threshold or a dict; a dtype name or a dict).
     """
@@ -192,7 +195,7 @@ def run_attention(
         collect_stats=collect_stats,
         role=role,
     )
-    decision = apply_policy(call, policy)
+    decision = apply_policy(call, policy, honour)
     call = decision.call
     try:
         route = select_route(call, backend)

@@ -165,7 +165,7 @@ class LayerState:
         out, result = run_attention(
             query, key, value, layout=layout, softmax_scale=scale, skip=skip, quant=quant, timestep=t,
             backend=settings.backend, fallback=settings.fallback, role=self.role,
-            collect_stats=self.processor.collect_stats, policy=settings.policy,
+            collect_stats=self.processor.collect_stats, policy=settings.policy, honour=settings.honour,
         )
         if plan.padded:
             out = self._stock_rows(out, plan, query, key, value, attn_mask, scale, via_sdpa)

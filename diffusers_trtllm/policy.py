@@ -6,8 +6,8 @@ gain nothing from them on Hopper, while they cost a quantization pass or a slowe
 kernel. Under ``policy="auto"`` (the default) a call whose request cannot pay off
 runs dense on the fastest dense route instead, and the result says what was
 dropped and why (the step table shows it). ``policy="always"`` honours every
-request; the processor uses it for a role the user configured explicitly
-(``roles={"cross": {...}}``).
+request, and ``honour`` keeps named features: the processor passes what a role's
+override set explicitly (``roles={"cross": {"quant": ...}}`` keeps SAGE there).
 
 The rules hold where they were measured (H200, SM90, bf16; docs/design.md "Never
 slower by default"; ``benchmarks/results/hopper_h200.md``). On other GPUs only the
@@ -17,12 +17,13 @@ where the reference route is an oracle rather than a kernel to speed up, none do
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, replace
 
 from .kernels._dense_order import TEXT_KV
 from .routes import AttentionCall, device_sm
 
-__all__ = ["POLICIES", "SHORT_KV", "SAGE_MIN_KV_SM90", "SAGE_INT8_MIN_KV_SM90", "PolicyDecision", "apply_policy"]
+__all__ = ["POLICIES", "FEATURES", "SHORT_KV", "SAGE_MIN_KV_SM90", "SAGE_INT8_MIN_KV_SM90", "PolicyDecision", "apply_policy"]
 
 POLICIES = ("auto", "always")
 
@@ -61,18 +62,29 @@ def _measured_device(device) -> bool:
     return device.type == "cuda"
 
 
-def apply_policy(call: AttentionCall, policy: str = "auto") -> PolicyDecision:
-    """Drop the parts of ``call``'s request that cannot pay off on it (``policy="auto"``)."""
+#: The parts of a request the policy may drop, named as ``honour`` takes them.
+FEATURES = ("skip", "sage")
+
+
+def apply_policy(call: AttentionCall, policy: str = "auto", honour: Collection[str] = ()) -> PolicyDecision:
+    """Drop the parts of ``call``'s request that cannot pay off on it (``policy="auto"``).
+
+    ``honour`` names features (``"skip"``, ``"sage"``) kept whatever the rules say: what the
+    user set explicitly for this call's role.
+    """
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}; got {policy!r}.")
+    unknown = set(honour) - set(FEATURES)
+    if unknown:
+        raise ValueError(f"honour takes {FEATURES}; got {sorted(unknown)}.")
     if policy == "always" or not _measured_device(call.q.device):
         return PolicyDecision(call)
     kv = call.layout.max_seqlen_kv
     dropped: list[str] = []
-    if call.skip_factor is not None and kv <= SHORT_KV:
+    if call.skip_factor is not None and "skip" not in honour and kv <= SHORT_KV:
         dropped.append(f"skip-softmax off: {kv} keys <= {SHORT_KV}, too few tiles to skip")
         call = replace(call, skip_factor=None)
-    if call.quant is not None and device_sm(call.q.device) == 90:
+    if call.quant is not None and "sage" not in honour and device_sm(call.q.device) == 90:
         int8 = call.quant.dtype_qk == "int8"
         least = SAGE_INT8_MIN_KV_SM90 if int8 else SAGE_MIN_KV_SM90
         if kv < least:

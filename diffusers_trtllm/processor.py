@@ -37,6 +37,8 @@ __all__ = ["TrtllmAttnProcessor", "LayerState", "StepRecord", "Calibration", "Se
 
 #: Keys a per-role override may set.
 _ROLE_KEYS = ("skip_softmax_threshold", "target_sparsity", "disabled_until_timestep", "quant", "backend", "fallback", "policy")
+#: Role keys that set skip-softmax.
+_SKIP_KEYS = ("skip_softmax_threshold", "target_sparsity", "disabled_until_timestep")
 #: Whole-role shortcuts: our kernel without skip/SAGE, or the family's own attention untouched.
 _ROLE_MODES = ("dense", "stock")
 
@@ -52,6 +54,8 @@ class Settings:
     mode: str = "trtllm"  # or "dense" / "stock"
     #: ``policy.apply_policy``'s mode: "auto" drops what cannot pay off on a call, "always" honours it.
     policy: str = "auto"
+    #: Features ("skip", "sage") the role's override set explicitly: honoured on every call.
+    honour: frozenset[str] = frozenset()
 
 
 def _role_settings(base: Mapping[str, Any], override: Any, role: str) -> Settings:
@@ -72,11 +76,14 @@ def _role_settings(base: Mapping[str, Any], override: Any, role: str) -> Setting
     skip = SkipSoftmaxConfig.from_kwargs(kw)
     quant = QuantConfig.coerce(kw["quant"])
     check_route_choice(kw["backend"], kw["fallback"], where=f" (role {role!r})")
-    # A role the user configured explicitly is honoured on every call unless it names a policy itself.
-    policy = override.get("policy", "always" if override else base["policy"])
+    policy = override.get("policy", base["policy"])
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}; got {policy!r} (role {role!r}).")
-    return Settings(skip, quant, kw["backend"], kw["fallback"], policy=policy)
+    # What the user set explicitly for this role is honoured on every call.
+    honour = frozenset(
+        feature for feature, keys in (("skip", _SKIP_KEYS), ("sage", ("quant",))) if any(k in override for k in keys)
+    )
+    return Settings(skip, quant, kw["backend"], kw["fallback"], policy=policy, honour=honour)
 
 
 class TrtllmAttnProcessor:
@@ -92,8 +99,8 @@ class TrtllmAttnProcessor:
     "refiner": "dense"}``; ``"stock"`` leaves a role on the family's own attention.
     ``collect_stats`` asks routes for skipped-tile counts (a debug cost on GPU kernels).
     ``policy="auto"`` runs a call dense where its skip/SAGE request cannot pay off (measured
-    rules, :mod:`diffusers_trtllm.policy`); an explicit per-role setting, or ``policy="always"``,
-    is honoured on every call.
+    rules, :mod:`diffusers_trtllm.policy`); what a role override sets explicitly (a skip control,
+    ``quant``), or everything under ``policy="always"``, is honoured on every call.
     """
 
     def __init__(

@@ -58,6 +58,10 @@ def test_always_and_cpu_honour_the_request(on_gpu):
     assert policy_mod.apply_policy(call, "always").call is call
     with pytest.raises(ValueError, match="policy must be one of"):
         policy_mod.apply_policy(call, "never")
+    kept = policy_mod.apply_policy(call, honour={"sage"})
+    assert kept.call.quant == INT8 and kept.call.skip_factor is None and "skip-softmax off" in kept.note
+    with pytest.raises(ValueError, match="honour takes"):
+        policy_mod.apply_policy(call, honour={"quant"})
 
 
 def test_cpu_calls_are_never_changed():
@@ -79,7 +83,9 @@ def test_run_attention_reports_what_ran(on_gpu):
 
 def test_processor_records_the_policy_and_honours_explicit_roles(on_gpu):
     model, inputs = tiny_models.build("flux")
-    proc = TrtllmAttnProcessor(skip_softmax_threshold=0.1, backend="reference", roles={"joint": {"quant": None}})
+    proc = TrtllmAttnProcessor(
+        skip_softmax_threshold=0.1, backend="reference", roles={"joint": {"skip_softmax_threshold": 0.1}, "self": {"quant": None}}
+    )
     model.set_attn_processor(proc)
     with torch.no_grad():
         model(**inputs)
@@ -88,6 +94,7 @@ def test_processor_records_the_policy_and_honours_explicit_roles(on_gpu):
         for record in state.records:
             by_role.setdefault(state.role, []).append(record)
     assert all(r.sparse and r.note is None for r in by_role["joint"])  # explicit: honoured on 24 keys
+    # "self" set only quant explicitly: its (inherited) skip request still follows the rules
     assert all(not r.sparse and "skip-softmax off" in r.note for r in by_role["self"])
     assert "skip-softmax off" in proc.format_step_table()
     with pytest.raises(ValueError, match="policy must be one of"):
