@@ -1,7 +1,8 @@
 """TRT-LLM attention kernels (skip-softmax sparsity, SAGE quantization) for Hugging Face Diffusers."""
 
 from .attention import attention, run_attention
-from .calibration import load_calibration
+from .calibration import load_calibration, save_calibration
+from .calibrator import SparsityCalibration, calibrate
 from .config import ControlTypeError, QuantConfig, SkipSoftmaxConfig
 from .integration import install, uninstall
 from .layout import MaskNotSupportedError, PackedLayout
@@ -28,4 +29,7 @@ __all__ = [
     "attach_denoise_tracking",
     "detach_denoise_tracking",
     "load_calibration",
+    "save_calibration",
+    "calibrate",
+    "SparsityCalibration",
 ]

@@ -1,11 +1,16 @@
-"""Example generation: dense vs skip-softmax vs skip-softmax + SAGE, side by side.
+"""Example generation and calibration from the command line.
 
-``python -m diffusers_trtllm`` (or ``python examples/generate.py``) with no arguments
-builds a small Flux pipeline from configs (random weights, no download; the text
-encoders are replaced by ``prompt_embeds``), runs it on the CPU three times
-(dense; skip-softmax; skip-softmax + int8 SAGE, the last two on the ``reference``
-route), saves ``outputs/comparison.png`` and prints per-step tables and the
-differences. ``--model ID`` runs that real pipeline on a GPU with the chosen settings.
+``python -m diffusers_trtllm`` with no arguments runs the offline demo: a tiny Flux pipeline
+built from configs (random weights, no download, ``prompt_embeds`` instead of text
+encoders) whose attention is made local so skip-softmax has tiles to skip, run on the CPU
+three times (dense; skip-softmax; skip-softmax + SAGE, the last two on the ``reference``
+route). It saves ``outputs/comparison.png`` (images, difference maps, rel-L1 and skipped
+fraction) and ``outputs/sparsity.png`` (skipped fraction per layer and step), and prints
+per-step tables. ``--model ID`` runs a real pipeline on a GPU with the chosen settings.
+
+``python -m diffusers_trtllm calibrate --model ID --prompts FILE --out calib.json`` measures
+where skip-softmax would skip and writes a ModelOpt ``sparse_attention_config``; without
+``--model`` it calibrates the tiny offline pipeline.
 """
 
 from __future__ import annotations
@@ -13,123 +18,20 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from typing import Any
 
 import torch
-from diffusers.callbacks import PipelineCallback
 
-from . import SkipSoftmaxConfig, TrtllmAttnProcessor, attach_denoise_tracking, load_calibration
+from . import SkipSoftmaxConfig, TrtllmAttnProcessor, calibrate, load_calibration, save_calibration
 from .bench.timing import cosine, rel_l1
+from .calibrator import GROUP_BY
+from .demo import DEMO_SIZE, build_demo_pipeline, comparison_image, generate, image_rel_l1, install, latent_difference
+from .stats import format_summary
 
-_DEMO_PROMPT_TOKENS = 8
-
-
-def build_demo_pipeline(seed: int = 0):
-    """A Flux pipeline small enough for a 2-core CPU, with sharpened attention so tiles get skipped.
-
-    Random weights give flat attention (nothing to skip); the QK-norm gains are raised so
-    scores have the peaks a trained model's attention has.
-    """
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
-
-    torch.manual_seed(seed)
-    transformer = FluxTransformer2DModel(
-        patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=32,
-        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=[8, 12, 12],
-    ).eval()
-    for module in transformer.modules():
-        for name in ("norm_q", "norm_k", "norm_added_q", "norm_added_k"):
-            norm = getattr(module, name, None)
-            if getattr(norm, "weight", None) is not None:
-                norm.weight.data.fill_(5.0)
-    vae = AutoencoderKL(
-        sample_size=32, in_channels=3, out_channels=3, block_out_channels=(4,), layers_per_block=1,
-        latent_channels=1, norm_num_groups=1, use_quant_conv=False, use_post_quant_conv=False,
-        shift_factor=0.0609, scaling_factor=1.5035,
-    )
-    pipe = FluxPipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=None, tokenizer=None,
-        text_encoder_2=None, tokenizer_2=None, transformer=transformer,
-    )
-    g = torch.Generator().manual_seed(seed + 1)
-    inputs = {
-        "prompt_embeds": torch.randn(1, _DEMO_PROMPT_TOKENS, 32, generator=g),
-        "pooled_prompt_embeds": torch.randn(1, 32, generator=g),
-        "height": 64,
-        "width": 64,
-    }
-    return pipe, inputs
-
-
-def _transformers(pipe: Any) -> list[torch.nn.Module]:
-    return [m for m in (getattr(pipe, "transformer", None), getattr(pipe, "transformer_2", None)) if m is not None]
-
-
-def install(pipe: Any, proc: TrtllmAttnProcessor) -> None:
-    """The processor on every transformer of the pipeline, with per-step timestep tracking."""
-    for transformer in _transformers(pipe):
-        transformer.set_attn_processor(proc)
-    attach_denoise_tracking(pipe, proc)
-
-
-class _KeepLatents(PipelineCallback):
-    """Keeps the final latents (the transformer's work, before the VAE) for the comparison."""
-
-    tensor_inputs = ["latents"]
-
-    def callback_fn(self, pipeline, step_index, timestep, callback_kwargs):
-        self.latents = callback_kwargs["latents"].detach().float().cpu()
-        return callback_kwargs
-
-
-def generate(pipe: Any, proc: TrtllmAttnProcessor, inputs: dict, steps: int, seed: int, label: str):
-    """One pipeline run with ``proc``: (first image, final latents, seconds)."""
-    install(pipe, proc)
-    proc.reset_stats()
-    device = getattr(pipe, "_execution_device", torch.device("cpu"))
-    generator = torch.Generator(device).manual_seed(seed)
-    keep = _KeepLatents()
-    pipe.set_progress_bar_config(desc=f"{label:<16}", leave=True)
-    start = time.perf_counter()
-    out = pipe(**inputs, num_inference_steps=steps, generator=generator, output_type="pil", callback_on_step_end=keep)
-    return _first_image(out), keep.latents, time.perf_counter() - start
-
-
-def _first_image(out: Any):
-    import numpy as np
-    from PIL import Image
-
-    if hasattr(out, "images"):
-        image = out.images[0]
-    else:  # video pipelines: the middle frame
-        frames = out.frames[0]
-        image = frames[len(frames) // 2]
-    if isinstance(image, Image.Image):
-        return image
-    array = np.asarray(image, dtype=np.float32)
-    return Image.fromarray((array.clip(0, 1) * 255).round().astype("uint8"))
-
-
-def save_side_by_side(panels: list[tuple[str, Any]], path: str, min_size: int = 256) -> str:
-    """Images with their labels above, in one row, saved as PNG."""
-    from PIL import Image, ImageDraw
-
-    scale = max(1, min_size // max(img.height for _, img in panels))
-    tiles = [(label, img.resize((img.width * scale, img.height * scale), Image.NEAREST)) for label, img in panels]
-    pad, head = 8, 22
-    width = sum(img.width for _, img in tiles) + pad * (len(tiles) + 1)
-    height = max(img.height for _, img in tiles) + head + 2 * pad
-    canvas = Image.new("RGB", (width, height), "white")
-    draw = ImageDraw.Draw(canvas)
-    x = pad
-    for label, img in tiles:
-        draw.text((x, pad), label, fill="black")
-        canvas.paste(img.convert("RGB"), (x, pad + head))
-        x += img.width + pad
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    canvas.save(path)
-    return path
+#: Defaults the README quotes; ``--help`` shows them.
+DEFAULT_THRESHOLD = 0.2
+DEFAULT_GATE = 0.9
+DEFAULT_PROMPT = "A cat holding a sign that says hello world"
 
 
 def _difference(latents: torch.Tensor, dense: torch.Tensor) -> str:
@@ -141,7 +43,7 @@ def _processor(args: argparse.Namespace, skip: bool, sage: bool, backend: str) -
     return TrtllmAttnProcessor(
         skip_softmax_threshold=args.threshold if skip and args.target_sparsity is None else None,
         target_sparsity=args.target_sparsity if skip else None,
-        disabled_until_timestep=args.disabled_until_timestep if skip else 0.0,
+        disabled_until_timestep=args.disabled_until_timestep if skip else None,
         quant=quant,
         backend=backend,
         fallback=args.fallback,
@@ -149,31 +51,79 @@ def _processor(args: argparse.Namespace, skip: bool, sage: bool, backend: str) -
     )
 
 
+def _skipped(table: list[dict]) -> float | None:
+    """Skipped tiles over all tiles of the steps that ran sparse."""
+    rows = [r for r in table if r["mode"] == "sparse" and r["skipped_fraction"] is not None]
+    return sum(r["skipped_fraction"] * r["sparse_calls"] for r in rows) / sum(r["sparse_calls"] for r in rows) if rows else None
+
+
+def _demo_calibration(pipe: Any, inputs: dict, args: argparse.Namespace) -> Any:
+    """``--calibration`` if given; otherwise calibrate the tiny pipeline now (it takes a second)."""
+    if args.calibration:
+        return args.calibration
+    print("--target-sparsity without --calibration: calibrating the tiny pipeline first "
+          "(python -m diffusers_trtllm calibrate writes one to a file).")
+    embeds = {k: inputs[k] for k in ("prompt_embeds", "pooled_prompt_embeds")}
+    cal = calibrate(pipe, [embeds], steps=args.steps, height=inputs["height"], width=inputs["width"],
+                    fit_range=(0.05, 0.95), disabled_until_timestep=args.disabled_until_timestep)
+    print(cal.format())
+    return cal.config()
+
+
 def run_demo(args: argparse.Namespace) -> dict[str, Any]:
-    """Offline CPU demo on a tiny random Flux pipeline; returns the images and tables."""
+    """Offline CPU demo on a tiny random Flux pipeline with local attention; returns images and tables."""
     pipe, inputs = build_demo_pipeline(args.seed)
+    inputs.update(height=args.height or DEMO_SIZE, width=args.width or DEMO_SIZE)
     backend = args.backend if args.backend != "auto" else "reference"
+    calibration = _demo_calibration(pipe, inputs, args) if args.target_sparsity is not None else None
+    sage = args.quant if args.quant != "none" else None
     runs = [
         ("dense", _processor(args, skip=False, sage=False, backend="auto")),
         ("skip-softmax", _processor(args, skip=True, sage=False, backend=backend)),
-        (f"skip + SAGE {args.quant}", _processor(args, skip=True, sage=True, backend=backend)),
+        (f"skip + SAGE {sage}" if sage else "skip (no SAGE)", _processor(args, skip=True, sage=True, backend=backend)),
     ]
     results: dict[str, Any] = {}
     for label, proc in runs:
+        if calibration is not None and label != "dense":
+            install(pipe, proc)
+            load_calibration(pipe, calibration)
         image, latents, seconds = generate(pipe, proc, inputs, args.steps, args.seed, label)
         results[label] = {"image": image, "latents": latents, "seconds": seconds, "table": proc.step_table(),
-                          "text": proc.format_step_table(), "processor": repr(proc)}
-    dense = results["dense"]["latents"]
-    print(f"\nTiny Flux pipeline (random weights, {pipe.transformer.config.num_attention_heads} heads), "
-          f"{args.steps} steps on the CPU")
+                          "text": proc.format_step_table(), "processor": repr(proc), "proc": proc}
+    dense = results["dense"]
+    tokens = (inputs["height"] // 2) * (inputs["width"] // 2)
+    print(f"\nTiny Flux pipeline: RANDOM WEIGHTS, attention made local (shared Q/K bias + RoPE), "
+          f"{tokens} image tokens, {args.steps} steps on the CPU")
+    skip_how = (f"target_sparsity={args.target_sparsity}" if args.target_sparsity is not None
+                else f"skip_softmax_threshold={args.threshold}")
+    panels = []
     for label, res in results.items():
         print(f"\n== {label} ({res['seconds']:.2f} s): {res['processor']} ==\n{res['text']}")
+        lines = [f"route {','.join(sorted({r['routes'] for r in res['table']}))}"]
         if label != "dense":
-            res["difference"] = _difference(res["latents"], dense)
-            print(f"difference vs dense: {res['difference']}")
-    path = save_side_by_side([(label, res["image"]) for label, res in results.items()], os.path.join(args.out, "comparison.png"))
+            res["difference"] = _difference(res["latents"], dense["latents"])
+            res["image_rel_l1"] = image_rel_l1(res["image"], dense["image"])
+            res["skipped"] = _skipped(res["table"])
+            print(f"difference vs dense: {res['difference']}; image rel-L1 {res['image_rel_l1']:.4f}")
+            skipped = "n/a" if res["skipped"] is None else f"{res['skipped']:.0%}"
+            lines += [f"skipped {skipped} of tiles (sparse steps)",
+                      f"rel-L1 vs dense: image {res['image_rel_l1']:.4f}",
+                      f"  latents {rel_l1(res['latents'], dense['latents']):.4f}"]
+        difference = None if label == "dense" else latent_difference(res["latents"], dense["latents"], inputs["height"], inputs["width"])
+        panels.append({"label": label, "image": res["image"], "lines": lines, "difference": difference})
+    last = results[runs[-1][0]]["proc"]
+    print(f"\nskipped fraction per layer and step ({runs[-1][0]}):\n{format_summary(last.layers)}")
+    title = (f"diffusers-trtllm offline demo - tiny Flux pipeline with RANDOM WEIGHTS (the images are noise)\n"
+             f"attention made local so tiles can be skipped; {skip_how}, "
+             f"disabled_until_timestep={args.disabled_until_timestep}, {args.steps} steps, CPU")
+    path = comparison_image(panels, os.path.join(args.out, "comparison.png"), title)
     print(f"\nsaved {path}")
     results["path"] = path
+    try:
+        results["plot"] = last.plot(os.path.join(args.out, "sparsity.png"), title=f"skipped-tile fraction, {runs[-1][0]}")
+        print(f"saved {results['plot']}")
+    except ImportError as err:
+        print(f"(no heatmap: {err})")
     return results
 
 
@@ -184,26 +134,37 @@ def run_model(args: argparse.Namespace) -> None:
     if not torch.cuda.is_available():
         sys.exit("--model needs a CUDA GPU (the CPU demo runs without --model).")
     pipe = DiffusionPipeline.from_pretrained(args.model, torch_dtype=torch.bfloat16).to("cuda")
-    inputs: dict[str, Any] = {"prompt": args.prompt}
+    inputs: dict[str, Any] = {"prompt": args.prompt or DEFAULT_PROMPT}
     if args.height:
         inputs["height"] = args.height
     if args.width:
         inputs["width"] = args.width
     proc = _processor(args, skip=True, sage=True, backend=args.backend)
     runs = ([("dense", _processor(args, skip=False, sage=False, backend="auto"))] if args.compare else []) + [("trtllm", proc)]
-    panels = []
+    panels, latents_of = [], {}
     for label, p in runs:
         install(pipe, p)
         if label == "trtllm" and (args.target_sparsity is not None or args.calibration):
             print("calibration:", load_calibration(pipe, args.calibration))
         image, latents, seconds = generate(pipe, p, inputs, args.steps, args.seed, label)
         print(f"\n== {label}: {seconds:.1f} s ==\n{p.format_step_table()}")
-        panels.append((label, image, latents))
-    if args.compare:
-        print(f"difference vs dense: {_difference(panels[1][2], panels[0][2])}")
-    panels = [(label, image) for label, image, _ in panels]
-    path = save_side_by_side(panels, os.path.join(args.out, "generate.png"), min_size=0)
+        latents_of[label] = latents
+        lines = [f"{seconds:.1f} s"]
+        if label == "trtllm" and args.compare:
+            lines.append(f"rel-L1 vs dense: image {image_rel_l1(image, panels[0]['image']):.4f}")
+            print(f"difference vs dense: {_difference(latents, latents_of['dense'])}")
+        panels.append({"label": label, "image": image, "lines": lines})
+    path = comparison_image(panels, os.path.join(args.out, "generate.png"), f"{args.model}: {inputs['prompt']}", min_size=0)
     print(f"saved {path}")
+    print(f"saved {proc.plot(os.path.join(args.out, 'sparsity.png'))}" if _has_matplotlib() else "")
+
+
+def _has_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -238,26 +199,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
     p = argparse.ArgumentParser(prog="python -m diffusers_trtllm", description=__doc__, formatter_class=_HelpFormatter)
     p.add_argument("--model", help="Hugging Face model id or path (GPU); omit for the offline CPU demo")
-    p.add_argument("--prompt", default="A cat holding a sign that says hello world", help="with --model")
+    p.add_argument("--prompt", default=None,
+                   help=f"with --model (None: {DEFAULT_PROMPT!r}); the offline demo has no text encoder")
     p.add_argument("--steps", type=_checked(int, _positive), default=None,
                    help="denoising steps (None: 8 for the demo, 28 with --model)")
-    p.add_argument("--threshold", type=_checked(float, lambda v: SkipSoftmaxConfig(threshold=v)), default=0.2,
+    p.add_argument("--threshold", type=_checked(float, lambda v: SkipSoftmaxConfig(threshold=v)), default=DEFAULT_THRESHOLD,
                    help="skip_softmax_threshold (lambda), in [0, 1)")
     p.add_argument("--target-sparsity", type=_checked(float, lambda v: SkipSoftmaxConfig(target_sparsity=v)),
-                   default=None, help="in [0, 1], instead of --threshold; needs a calibration")
+                   default=None, help="in [0, 1], instead of --threshold; uses --calibration (offline without one: "
+                                      "the tiny pipeline is calibrated first)")
     p.add_argument("--calibration", default=None,
-                   help="sparse_attention_config JSON file or model directory (None: the model's own config)")
-    p.add_argument("--disabled-until-timestep", default=0.7,
+                   help="sparse_attention_config JSON file or model directory, for --target-sparsity "
+                        "(None: the model's own config; offline: calibrate first)")
+    p.add_argument("--disabled-until-timestep", default=DEFAULT_GATE,
                    type=_checked(float, lambda v: SkipSoftmaxConfig(disabled_until_timestep=v)),
                    help="normalized timestep in [0, 1]: dense while t is above this")
     p.add_argument("--quant", choices=["int8", "fp8_e4m3", "none"], default="int8", help="SAGE dtype for Q/K")
     p.add_argument("--backend", choices=["auto", *route_names()], default="auto",
-                   help="route name or auto (demo: auto means reference)")
+                   help="route name or auto (offline demo: auto means reference)")
     p.add_argument("--fallback", choices=["dense"], default=None, help="run dense what no route can honour")
-    p.add_argument("--height", type=_checked(int, _positive), default=None, help="with --model (None: the pipeline's)")
-    p.add_argument("--width", type=_checked(int, _positive), default=None, help="with --model (None: the pipeline's)")
+    p.add_argument("--height", type=_checked(int, _positive), default=None,
+                   help=f"None: the pipeline's (offline: a multiple of 16 up to 256, None: {DEMO_SIZE})")
+    p.add_argument("--width", type=_checked(int, _positive), default=None,
+                   help=f"None: the pipeline's (offline: a multiple of 16 up to 256, None: {DEMO_SIZE})")
     p.add_argument("--seed", type=_checked(int, lambda v: None), default=0, help="random seed")
-    p.add_argument("--compare", action="store_true", help="with --model: also run dense and save both")
+    p.add_argument("--compare", action="store_true", help="with --model: also run dense and save both (the demo always does)")
     p.add_argument("--collect-stats", action="store_true", help="ask GPU routes for skipped-tile counts")
     p.add_argument("--out", default="outputs", help="output directory")
     args = p.parse_args(argv)
@@ -265,10 +231,88 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.steps = 28 if args.model else 8
     if args.calibration is not None and not os.path.exists(args.calibration):
         p.error(f"argument --calibration: {args.calibration!r} does not exist")
+    if not args.model:
+        if args.prompt is not None:
+            p.error("argument --prompt needs --model: the offline demo has no text encoder (it uses random prompt "
+                    "embeddings).")
+        for name in ("height", "width"):
+            value = getattr(args, name)
+            if value is not None and (value % 16 or value > 256):
+                p.error(f"argument --{name}: the offline demo takes a multiple of 16 up to 256 (CPU time grows with "
+                        f"the square of the token count); got {value}")
+    if args.calibration and args.target_sparsity is None:
+        p.error("argument --calibration is read for --target-sparsity; pass --target-sparsity too (or drop "
+                "--calibration and use --threshold).")
     return args
 
 
+def parse_calibrate_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m diffusers_trtllm calibrate", formatter_class=_HelpFormatter,
+        description="Measure per layer and step where skip-softmax would skip (one dense run per prompt) and write "
+                    "ModelOpt's sparse_attention_config (factor = a * exp(b * target_sparsity)) for --target-sparsity "
+                    "and load_calibration. Without --model: the tiny offline pipeline, on random prompt embeddings.")
+    p.add_argument("--model", help="Hugging Face model id or path (GPU); omit for the tiny offline pipeline")
+    p.add_argument("--prompts", help="text file, one prompt per line (needs --model)")
+    p.add_argument("--num-prompts", type=_checked(int, _positive), default=2, help="offline: how many random prompt embeddings")
+    p.add_argument("--out", default="calibration.json", help="where to write the JSON")
+    p.add_argument("--steps", type=_checked(int, _positive), default=None,
+                   help="denoising steps per prompt (None: 8 offline, 28 with --model)")
+    p.add_argument("--height", type=_checked(int, _positive), default=None, help="None: the pipeline's")
+    p.add_argument("--width", type=_checked(int, _positive), default=None, help="None: the pipeline's")
+    p.add_argument("--group-by", choices=GROUP_BY, default="transformer", help="one curve per transformer, role or layer")
+    p.add_argument("--target-sparsity", type=_checked(float, lambda v: SkipSoftmaxConfig(target_sparsity=v)), default=None,
+                   help="recommended operating point written with the curve")
+    p.add_argument("--disabled-until-timestep", type=_checked(float, lambda v: SkipSoftmaxConfig(disabled_until_timestep=v)),
+                   default=0.0,
+                   help="leave steps with t above this out of the fit, and write it with the curve")
+    p.add_argument("--fit-range", type=float, nargs=2, default=(0.05, 0.95), metavar=("LOW", "HIGH"),
+                   help="sparsities the curve is fitted over")
+    p.add_argument("--tile", type=int, nargs=2, default=(128, 128), metavar=("Q", "KV"), help="the kernel's tile")
+    p.add_argument("--seed", type=_checked(int, lambda v: None), default=0, help="random seed")
+    args = p.parse_args(argv)
+    if args.model and not args.prompts:
+        p.error("argument --model needs --prompts FILE (one prompt per line).")
+    if args.prompts and not args.model:
+        p.error("argument --prompts needs --model: the offline pipeline has no text encoder (it uses --num-prompts "
+                "random prompt embeddings).")
+    if args.steps is None:
+        args.steps = 28 if args.model else 8
+    return args
+
+
+def run_calibrate(args: argparse.Namespace) -> Any:
+    """Calibrate a model (GPU) or the tiny offline pipeline, and write the JSON."""
+    kwargs: dict[str, Any] = {k: getattr(args, k) for k in ("height", "width") if getattr(args, k)}
+    if args.model:
+        from diffusers import DiffusionPipeline
+
+        if not torch.cuda.is_available():
+            sys.exit("calibrate --model needs a CUDA GPU (without --model it calibrates the tiny offline pipeline).")
+        pipe = DiffusionPipeline.from_pretrained(args.model, torch_dtype=torch.bfloat16).to("cuda")
+        with open(args.prompts, encoding="utf-8") as f:
+            prompts: list[Any] = [line.strip() for line in f if line.strip()]
+        if not prompts:
+            sys.exit(f"{args.prompts} holds no prompt (one per line).")
+    else:
+        pipe, inputs = build_demo_pipeline(args.seed)
+        kwargs = {"height": args.height or DEMO_SIZE, "width": args.width or DEMO_SIZE}
+        g = torch.Generator().manual_seed(args.seed + 100)
+        prompts = [{k: torch.randn(v.shape, generator=g) for k, v in inputs.items() if k.endswith("prompt_embeds")}
+                   for _ in range(args.num_prompts)]
+    cal = calibrate(pipe, prompts, steps=args.steps, group_by=args.group_by, fit_range=tuple(args.fit_range),
+                    target_sparsity=args.target_sparsity, disabled_until_timestep=args.disabled_until_timestep,
+                    tile=tuple(args.tile), seed=args.seed, **kwargs)
+    print(cal.format())
+    print(f"saved {save_calibration(cal, args.out)}")
+    return cal
+
+
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["calibrate"]:
+        run_calibrate(parse_calibrate_args(argv[1:]))
+        return
     args = parse_args(argv)
     if args.model:
         run_model(args)

@@ -1,11 +1,20 @@
-"""Library logger and warnings issued once per cause."""
+"""Library logger and warnings issued once per cause.
+
+The logger is a child of Diffusers' library logger (``diffusers.trtllm``), made with
+``diffusers.utils.logging.get_logger``: Diffusers' verbosity controls ours
+(``diffusers.utils.logging.set_verbosity_error()`` silences our warnings too) and our
+messages come out through its handler, formatted like its own.
+"""
 
 from __future__ import annotations
 
-import logging
 from typing import Hashable
 
-logger = logging.getLogger("diffusers_trtllm")
+from diffusers.utils import logging as diffusers_logging
+
+#: Under ``diffusers`` so that Diffusers' ``set_verbosity_*`` applies.
+LOGGER_NAME = "diffusers.trtllm"
+logger = diffusers_logging.get_logger(LOGGER_NAME)
 _warned: set[Hashable] = set()
 
 

@@ -9,7 +9,8 @@ A transformer's ``config.json`` may carry::
       "target_sparsity": 0.7, "disabled_until_timestep": 0.93,
       "ignore": ["blocks.0.attn1", "blocks.39.*"]}}}
 
-``coefficients`` may be spelled ``prefill``; the formula may be
+``coefficients`` may be spelled ``prefill`` (ModelOpt's and TensorRT-LLM's name; ``save_calibration``
+writes both) and ``target_sparsity`` may be ``{"prefill": value}``; the formula may be
 ``exp(log_a + b * target_sparsity)`` (then the coefficients are ``log_a`` and ``b``).
 ``ignore`` holds fnmatch patterns of module names (relative to the transformer) that
 stay dense; an optional ``targets`` list limits a group to matching modules (the
@@ -35,7 +36,10 @@ from ._logging import warn_once
 from .config import ControlTypeError, check_curve, unknown_keys_message
 from .layer import Calibration, LayerState
 
-__all__ = ["CalibrationGroup", "parse_sparse_attention_config", "read_calibration", "load_calibration", "FORMULAS"]
+__all__ = [
+    "CalibrationGroup", "parse_sparse_attention_config", "read_calibration", "load_calibration", "FORMULAS",
+    "sparse_attention_config", "save_calibration",
+]
 
 #: Supported curve formulas (whitespace-insensitive) and the coefficient naming the scale.
 FORMULAS = {
@@ -46,7 +50,7 @@ _TRANSFORMER_ATTRS = ("transformer", "transformer_2")
 #: Keys this loader reads; others are reported (with the closest known key) and ignored.
 _GROUP_KEYS = ("algorithm", "threshold_scale_factor", "target_sparsity", "disabled_until_timestep", "ignore", "targets")
 _CURVE_KEYS = ("formula", "coefficients", "prefill")
-_CONFIG_KEYS = ("config_groups",)
+_CONFIG_KEYS = ("config_groups", "producer")  # producer: who wrote it (ModelOpt and save_calibration say)
 
 
 def _warn_unknown(where: str, found: Mapping[str, Any], known: tuple[str, ...]) -> None:
@@ -134,6 +138,8 @@ def _parse_group(name: str, group: Any) -> CalibrationGroup:
         a = math.exp(log_a)
     check_curve(f"sparse_attention_config group {name!r}", a, b)
     ts, dut = group.get("target_sparsity"), group.get("disabled_until_timestep")
+    if isinstance(ts, Mapping):  # ModelOpt's per-phase spelling; a diffusion transformer only has prefill
+        ts = ts.get("prefill")
     return CalibrationGroup(
         name=name,
         a=a,
@@ -277,3 +283,78 @@ def load_calibration(target: Any, path_or_dict: str | os.PathLike | Mapping[str,
             "skip_softmax_threshold instead of target_sparsity."
         )
     return summary
+
+
+def sparse_attention_config(
+    groups: list[tuple[str, float, float, tuple[str, ...] | None, tuple[float, float] | None]],
+    *,
+    target_sparsity: float | None = None,
+    disabled_until_timestep: float = 0.0,
+    ignore: tuple[str, ...] = (),
+) -> dict[str, Any]:
+    """ModelOpt's ``sparse_attention_config`` from fitted curves ``(name, a, b, targets, observed range)``.
+
+    ``targets`` None covers every module. The coefficients go under both ``coefficients`` and
+    ``prefill`` so that every reader finds them; the result parses back with
+    ``parse_sparse_attention_config``.
+    """
+    from . import __version__
+
+    out: dict[str, Any] = {}
+    for name, a, b, targets, observed in groups:
+        prefill: dict[str, Any] = {"a": a, "b": b}
+        if observed is not None:
+            prefill.update(min_observed_sparsity=observed[0], max_observed_sparsity=observed[1])
+        group: dict[str, Any] = {
+            "algorithm": "skip_softmax",
+            "threshold_scale_factor": {"formula": "a * exp(b * target_sparsity)", "coefficients": {"a": a, "b": b},
+                                       "prefill": prefill},
+        }
+        if target_sparsity is not None:
+            group["target_sparsity"] = target_sparsity
+        if disabled_until_timestep:
+            group["disabled_until_timestep"] = disabled_until_timestep
+        if targets is not None:
+            group["targets"] = list(targets)
+        if ignore:
+            group["ignore"] = list(ignore)
+        _parse_group(name, group)  # what we write, we can read
+        out[name] = group
+    return {"config_groups": out, "producer": {"name": "diffusers-trtllm", "version": __version__}}
+
+
+def save_calibration(calibration: Any, path: str | os.PathLike) -> str:
+    """Write a calibration (``calibrate``'s result, or a config dict) where ``load_calibration`` reads it.
+
+    ``path`` a file: JSON, ``{"sparse_attention_config": ...}`` for one transformer or
+    ``{"transformer": ..., "transformer_2": ...}`` for two (Wan 2.2). ``path`` a checkpoint
+    folder (``save_pretrained``'s output): merged into each transformer's ``config.json``
+    (``<folder>/transformer/config.json``, or ``<folder>/config.json`` for a transformer folder),
+    so ``load_calibration(pipe)`` finds it with no argument. Returns the path written.
+    """
+    config = calibration.config() if hasattr(calibration, "config") else calibration
+    if not isinstance(config, Mapping):
+        raise ValueError(f"save_calibration needs calibrate()'s result or a config dict; got {type(calibration).__name__}.")
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        per = config if any(k in config for k in _TRANSFORMER_ATTRS) else {"transformer": config}
+        pipeline = os.path.isfile(os.path.join(path, "model_index.json"))
+        for attr, section in per.items():
+            target = os.path.join(path, attr, "config.json") if pipeline else os.path.join(path, "config.json")
+            if not os.path.isfile(target):
+                raise ValueError(f"{target} does not exist; pass a checkpoint folder saved with save_pretrained, "
+                                 "or a .json file path.")
+            with open(target, encoding="utf-8") as f:
+                on_disk = json.load(f)
+            on_disk["sparse_attention_config"] = read_calibration(section)["sparse_attention_config"]
+            _write_json(on_disk, target)
+        return path
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    _write_json(config, path)
+    return path
+
+
+def _write_json(config: Mapping[str, Any], path: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2)
+        f.write("\n")

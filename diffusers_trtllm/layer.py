@@ -162,6 +162,8 @@ class LayerState:
         quant = settings.quant if settings.mode == "trtllm" else None
         if skip is not None and skip.configured and skip.gated and t is None:
             skip = self._ungated_skip(skip)
+        if self.processor._call_observer is not None:  # calibrate(): sees every call's Q, K and layout
+            self.processor._call_observer(self, t, layout, query, key, scale)
         out, result = run_attention(
             query, key, value, layout=layout, softmax_scale=scale, skip=skip, quant=quant, timestep=t,
             backend=settings.backend, fallback=settings.fallback, role=self.role,

@@ -24,6 +24,7 @@ from typing import Any, Mapping
 
 import torch
 
+from . import stats
 from .attention import check_route_choice
 from .config import QuantConfig, SkipSoftmaxConfig, check_mapping, unknown_keys_message
 from .integration import installation as _installation, intercept as _intercept
@@ -31,7 +32,7 @@ from .integration.roles import ROLES
 from .layer import Calibration, LayerState
 from .layout import LayoutCache
 from .policy import POLICIES
-from .stats import StepRecord, format_step_table, layer_step_rows, step_table
+from .stats import StepRecord
 
 __all__ = ["TrtllmAttnProcessor", "LayerState", "StepRecord", "Calibration", "Settings", "ROLES"]
 
@@ -103,11 +104,14 @@ class TrtllmAttnProcessor:
     ``quant``), or everything under ``policy="always"``, is honoured on every call.
     """
 
+    #: Called as ``observer(layer, t, layout, query, key, scale)`` before each served call (``calibrate``'s pass).
+    _call_observer: Any = None
+
     def __init__(
         self,
         skip_softmax_threshold: float | None = None,
         target_sparsity: float | None = None,
-        disabled_until_timestep: float = 0.0,
+        disabled_until_timestep: float | None = None,
         quant: Mapping[str, Any] | QuantConfig | None = None,
         backend: str = "auto",
         fallback: str | None = None,
@@ -129,6 +133,10 @@ class TrtllmAttnProcessor:
         if unknown:
             raise ValueError(unknown_keys_message("roles", unknown, ROLES, what="roles"))
         self._role_settings = {role: _role_settings(base, roles.get(role, {}), role) for role in ROLES}
+        # What the user set (not left at its default), per role: a checkpoint fills only the rest.
+        defaults = {"backend": "auto", "policy": "auto"}
+        given = {k for k, v in base.items() if v is not None and v != defaults.get(k)}
+        self._explicit = {role: given | set(roles[role] if isinstance(roles.get(role), Mapping) else ()) for role in ROLES}
         self.roles = roles
         self.collect_stats = bool(collect_stats)
         self._init_runtime()
@@ -236,12 +244,12 @@ class TrtllmAttnProcessor:
         elif cal is not None:
             if not skip.configured and cal.target_sparsity is not None:
                 # Nothing asked by the user: the checkpoint's recommended operating point applies.
-                skip = SkipSoftmaxConfig(
-                    target_sparsity=cal.target_sparsity,
-                    disabled_until_timestep=cal.disabled_until_timestep or 0.0,
-                )
+                skip = SkipSoftmaxConfig(target_sparsity=cal.target_sparsity,
+                                         disabled_until_timestep=skip.disabled_until_timestep)
             if skip.target_sparsity is not None:
                 skip = skip.with_calibration(cal.a, cal.b)
+                if "disabled_until_timestep" not in self._explicit[state.role] and cal.disabled_until_timestep:
+                    skip = replace(skip, disabled_until_timestep=cal.disabled_until_timestep)  # an explicit one wins
         return replace(settings, skip=skip)
 
     # ---- timestep ------------------------------------------------------------------------
@@ -270,15 +278,25 @@ class TrtllmAttnProcessor:
             tracker.reset()
 
     def step_table(self) -> list[dict[str, Any]]:
-        """Per step: t, dense or sparse, skipped-tile fraction, SAGE on/off, routes, calls."""
-        return step_table(self.layers)
+        """Per step: t, dense or sparse (``gated``: dense because of the timestep), skipped tiles, SAGE, routes."""
+        return stats.step_table(self.layers)
 
     def layer_step_rows(self) -> list[dict[str, Any]]:
         """Per layer and step: layer, role, step, t, route, sparse, skipped fraction, SAGE, calls."""
-        return layer_step_rows(self.layers)
+        return stats.layer_step_rows(self.layers)
 
     def format_step_table(self) -> str:
-        return format_step_table(self.step_table())
+        """The step table as text, with where the settings came from on top."""
+        return stats.format_step_table(self.step_table(), self.layers)
+
+    def summary(self) -> list[dict[str, Any]]:
+        """Per layer and step: what ran (``dense (gated)`` too), skipped fraction, the SAGE dtype that ran,
+        route, and where each setting came from; ``pandas.DataFrame(proc.summary())`` makes it a table."""
+        return stats.summary(self.layers)
+
+    def plot(self, path: str, title: str | None = None) -> str:
+        """Heatmap of the skipped-tile fraction, layers x steps, saved to ``path`` (needs matplotlib)."""
+        return stats.plot(self.layers, path, title)
 
     def __repr__(self) -> str:
         s, q = self._role_settings["self"], self._role_settings["self"].quant

@@ -9,15 +9,25 @@ seeing ``t`` rise) starts the layer's statistics afresh.
 The data is plain: :func:`layer_step_rows` gives one dict per (layer, step) with the
 columns ``layer, role, step, t, route, sparse, skipped_fraction, sage, calls, note``;
 :func:`step_table` sums them per step for :func:`format_step_table`. See docs/design.md.
+
+For people reading them: :func:`summary` adds to each (layer, step) row what ran in words
+(``sparse``, ``dense``, ``dense (gated)`` when ``t`` was above ``disabled_until_timestep``,
+``stock``), the SAGE dtype that actually ran (``int8``, ``fp8_e4m3`` or ``off``, so a gated
+step with SAGE on is never read as full precision) and where each setting came from
+(``user``, ``checkpoint ...``, ``default``); :func:`plot` draws the skipped fraction as a
+heatmap. They read layers only through ``layer_step_rows`` and each layer's settings.
 """
 
 from __future__ import annotations
+
+import os
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-__all__ = ["StepRecord", "LayerStats", "layer_step_rows", "step_table", "format_step_table", "MAX_STEPS"]
+__all__ = ["StepRecord", "LayerStats", "layer_step_rows", "step_table", "format_step_table", "MAX_STEPS",
+           "summary", "format_summary", "plot", "setting_sources"]
 
 #: Steps a layer remembers (a run of 1,000 steps fits; older steps are dropped first).
 MAX_STEPS = 1024
@@ -127,13 +137,16 @@ def step_table(layers: Iterable[Any]) -> list[dict[str, Any]]:
     steps: dict[int, dict[str, Any]] = {}
     for layer in layers:
         for r in layer.records:
-            row = steps.setdefault(r.step, {"t": r.t, "sparse_calls": 0, "calls": 0, "skipped": 0, "tiles": 0,
-                                            "sage": False, "routes": set(), "notes": set()})
+            row = steps.setdefault(r.step, {"t": r.t, "sparse_calls": 0, "gated_calls": 0, "calls": 0, "skipped": 0,
+                                            "tiles": 0, "sage": False, "sage_dtypes": set(), "routes": set(),
+                                            "notes": set()})
             if row["t"] is None:
                 row["t"] = r.t
             row["calls"] += r.calls
             row["sparse_calls"] += r.sparse_calls
+            row["gated_calls"] += r.calls if _attention(layer, r) == "dense (gated)" else 0
             row["sage"] |= r.sage
+            row["sage_dtypes"].add(_sage_dtype(layer, r))
             row["routes"].update(r.routes)
             row["notes"].update(f"{layer.role}: {note}" for note in r.notes)
             if r.total_tiles:
@@ -144,10 +157,12 @@ def step_table(layers: Iterable[Any]) -> list[dict[str, Any]]:
             "step": step,
             "t": row["t"],
             "mode": "sparse" if row["sparse_calls"] else "dense",
+            "gated": bool(row["gated_calls"]) and not row["sparse_calls"],  # dense because of the timestep
             "sparse_calls": row["sparse_calls"],
             "calls": row["calls"],
             "skipped_fraction": row["skipped"] / row["tiles"] if row["tiles"] else None,
             "sage": row["sage"],
+            "sage_dtype": "/".join(sorted(row["sage_dtypes"])),  # what ran: int8, fp8_e4m3, off
             "routes": ",".join(sorted(row["routes"])),
             "policy": "; ".join(sorted(row["notes"])),
         }
@@ -155,12 +170,152 @@ def step_table(layers: Iterable[Any]) -> list[dict[str, Any]]:
     ]
 
 
-def format_step_table(rows: list[dict[str, Any]]) -> str:
-    """``step_table`` rows as aligned text."""
-    lines = [f"{'step':>4}  {'t':>6}  {'attention':<9}  {'skipped':>7}  {'SAGE':<4}  route"]
+def format_step_table(rows: list[dict[str, Any]], layers: Iterable[Any] | None = None) -> str:
+    """``step_table`` rows as aligned text; with ``layers``, a first line says where the settings came from."""
+    lines = [_sources_line(layers)] if layers is not None else []
+    lines.append(f"{'step':>4}  {'t':>6}  {'attention':<13}  {'skipped':>7}  {'SAGE':<8}  route")
     for row in rows:
         t = "   n/a" if row["t"] is None else f"{row['t']:6.3f}"
         skipped = "    n/a" if row["skipped_fraction"] is None else f"{row['skipped_fraction']:7.1%}"
+        mode = "dense (gated)" if row.get("gated") else row["mode"]
+        sage = row.get("sage_dtype") or ("on" if row["sage"] else "off")
         policy = f"  ({row['policy']})" if row.get("policy") else ""
-        lines.append(f"{row['step']:>4}  {t}  {row['mode']:<9}  {skipped}  {'on' if row['sage'] else 'off':<4}  {row['routes']}{policy}")
+        lines.append(f"{row['step']:>4}  {t}  {mode:<13}  {skipped}  {sage:<8}  {row['routes']}{policy}")
     return "\n".join(lines)
+
+
+def _attention(state: Any, record: Any) -> str:
+    """What a (layer, step) record ran, in words."""
+    if record.sparse:
+        return "sparse"
+    if record.route == "stock":
+        return "stock"
+    settings = state.settings()
+    skip = settings.skip if settings.mode == "trtllm" else None
+    if skip is not None and skip.configured and not skip.active_at(record.t):
+        return "dense (gated)"
+    return "dense"
+
+
+def _sage_dtype(state: Any, record: Any) -> str:
+    """The SAGE dtype that ran, or ``off``."""
+    quant = state.settings().quant
+    return quant.dtype_qk if record.sage and quant is not None else "off"
+
+
+def setting_sources(state: Any) -> dict[str, str]:
+    """Where each of a layer's settings came from: ``user``, ``user (roles)``, ``checkpoint ...`` or ``default``."""
+    proc = state.processor
+    role_override = proc.roles.get(state.role) if isinstance(proc.roles, dict) else None
+    explicit = proc._explicit[state.role]
+
+    def by_user(key: str) -> str:
+        if isinstance(role_override, str):
+            return f"user (roles[{state.role!r}]={role_override!r})"
+        if isinstance(role_override, dict) and key in role_override:
+            return "user (roles)"
+        return "user" if key in explicit else "default"
+
+    cal = state.calibration
+    checkpoint = f"checkpoint {cal.source}".strip() if cal is not None else "checkpoint"
+    settings = state.settings()
+    skip = settings.skip
+    if state.ignored:
+        skip_source = f"{checkpoint} (ignore: stays dense)"
+    elif not skip.configured:
+        skip_source = by_user("skip_softmax_threshold")
+    elif skip.threshold is not None:
+        skip_source = by_user("skip_softmax_threshold")
+    else:
+        user = by_user("target_sparsity")
+        skip_source = (user if user != "default" else checkpoint) + (f", curve from {checkpoint}" if cal else "")
+    gate = by_user("disabled_until_timestep")
+    if gate == "default" and cal is not None and cal.disabled_until_timestep and skip.target_sparsity is not None:
+        gate = checkpoint
+    return {"skip_source": skip_source, "gate_source": gate, "quant_source": by_user("quant"),
+            "route_source": by_user("backend")}
+
+
+def _sources_line(layers: Iterable[Any]) -> str:
+    found: dict[str, set[str]] = {}
+    for state in layers:
+        for key, value in setting_sources(state).items():
+            found.setdefault(key.replace("_source", ""), set()).add(value)
+    return "settings from: " + "; ".join(f"{key} {' | '.join(sorted(v))}" for key, v in found.items())
+
+
+def summary(layers: Iterable[Any]) -> list[dict[str, Any]]:
+    """``layer_step_rows`` with, per row, what ran in words, the SAGE dtype that ran and the settings' sources.
+
+    Extra columns: ``attention`` (``sparse``, ``dense``, ``dense (gated)``, ``stock``), ``sage_dtype``,
+    ``threshold``, ``target_sparsity``, ``disabled_until_timestep`` and ``skip_source``, ``gate_source``,
+    ``quant_source``, ``route_source``. ``pandas.DataFrame(summary(proc.layers))`` makes it a table.
+    """
+    layers = list(layers)
+    rows = []
+    for layer in layers:
+        records = layer.records
+        if not records:
+            continue
+        sources = setting_sources(layer)
+        skip = layer.settings().skip
+        settings = {"threshold": skip.threshold, "target_sparsity": skip.target_sparsity,
+                    "disabled_until_timestep": skip.disabled_until_timestep if skip.configured else None}
+        for row, record in zip(layer_step_rows([layer]), records):
+            rows.append({**row, "attention": _attention(layer, record), "sage_dtype": _sage_dtype(layer, record),
+                         **settings, **sources})
+    return rows
+
+
+def format_summary(layers: Iterable[Any]) -> str:
+    """Per layer: the skipped fraction at each step (``-``: nothing skipped or measured)."""
+    rows = summary(layers)
+    steps = sorted({r["step"] for r in rows})
+    names = list(dict.fromkeys(f"{r['layer']} ({r['role']})" for r in rows))
+    width = max([len(n) for n in names] + [5])
+    cell = {(f"{r['layer']} ({r['role']})", r["step"]): r["skipped_fraction"] for r in rows}
+    lines = [f"{'layer':<{width}}  " + " ".join(f"{s:>5}" for s in steps)]
+    for name in names:
+        values = [cell.get((name, s)) for s in steps]
+        lines.append(f"{name:<{width}}  " + " ".join(f"{v:5.0%}" if v else "    -" for v in values))
+    return "\n".join(lines)
+
+
+def plot(layers: Iterable[Any], path: str | os.PathLike, title: str | None = None) -> str:
+    """A heatmap of the skipped-tile fraction, layers by steps, saved to ``path`` (needs matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg", force=False)
+        import matplotlib.pyplot as plt
+    except ImportError as err:
+        raise ImportError(
+            "proc.plot() draws with matplotlib, which is not installed; pip install matplotlib "
+            "(or use proc.summary() for the numbers)."
+        ) from err
+    import numpy as np
+
+    rows = summary(layers)
+    if not rows:
+        raise ValueError("nothing to plot: the processor has recorded no attention call yet; run the pipeline first.")
+    steps = sorted({r["step"] for r in rows})
+    names = list(dict.fromkeys(f"{r['layer']} ({r['role']})" for r in rows))
+    grid = np.full((len(names), len(steps)), np.nan)
+    t_of: dict[int, float | None] = {}
+    for r in rows:
+        t_of.setdefault(r["step"], r["t"])
+        if r["skipped_fraction"] is not None:
+            grid[names.index(f"{r['layer']} ({r['role']})"), steps.index(r["step"])] = r["skipped_fraction"]
+    fig, ax = plt.subplots(figsize=(4.0 + 0.45 * len(steps), 1.2 + 0.3 * len(names)), dpi=100)
+    top = float(np.nanmax(grid)) if np.isfinite(grid).any() else 1.0
+    image = ax.imshow(grid, aspect="auto", cmap="viridis", vmin=0.0, vmax=max(0.01, top))
+    ax.set_xticks(range(len(steps)), [f"{s}\n{t_of[s]:.2f}" if t_of[s] is not None else str(s) for s in steps], fontsize=7)
+    ax.set_yticks(range(len(names)), names, fontsize=7)
+    ax.set_xlabel("step / t")
+    ax.set_title(title or "skipped-tile fraction (blank: not measured)", fontsize=9)
+    fig.colorbar(image, ax=ax, fraction=0.05)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return os.fspath(path)

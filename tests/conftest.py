@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from diffusers.utils import logging as diffusers_logging
 
 from diffusers_trtllm.bench.timing import cosine, rel_l1
 
 __all__ = ["requires_cuda", "rel_l1", "cosine"]
+
+# Diffusers' library logger (ours is its child) does not propagate to the root, where pytest's caplog listens.
+diffusers_logging.enable_propagation()
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

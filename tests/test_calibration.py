@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import tiny_models
-from diffusers_trtllm import TrtllmAttnProcessor, load_calibration
+from diffusers_trtllm import TrtllmAttnProcessor, load_calibration, stats
 from diffusers_trtllm.calibration import parse_sparse_attention_config
 
 
@@ -107,3 +107,31 @@ def test_target_sparsity_without_a_curve_says_what_to_do():
         load_calibration(model, config)
     with pytest.raises(ValueError, match="install it first"):
         load_calibration(tiny_models.build("flux")[0], config)
+
+
+def test_user_gate_wins_over_the_checkpoint_and_sources_say_so(tmp_path):
+    model = _wan_with_config(tmp_path, _group(ignore=["blocks.1.*"]))
+    # Only the gate is the user's: the checkpoint's operating point fills the rest, not the gate.
+    proc = TrtllmAttnProcessor(disabled_until_timestep=0.5, backend="reference")
+    model.set_attn_processor(proc)
+    load_calibration(model)
+    state = model.blocks[0].attn1._trtllm_layer
+    skip = state.settings().skip
+    assert (skip.target_sparsity, skip.disabled_until_timestep) == (0.7, 0.5)
+    sources = stats.setting_sources(state)
+    assert sources["gate_source"] == "user"
+    assert sources["skip_source"].startswith("checkpoint transformer:group_0")
+    assert "ignore" in stats.setting_sources(model.blocks[1].attn1._trtllm_layer)["skip_source"]
+    # Nothing set by the user: the checkpoint's gate applies, and says where it came from.
+    proc = TrtllmAttnProcessor(target_sparsity=0.4, backend="reference")
+    model.set_attn_processor(proc)
+    load_calibration(model)
+    state = model.blocks[0].attn1._trtllm_layer
+    assert state.settings().skip.disabled_until_timestep == 0.93
+    assert stats.setting_sources(state)["gate_source"] == "checkpoint transformer:group_0"
+    assert stats.setting_sources(state)["skip_source"] == "user, curve from checkpoint transformer:group_0"
+
+
+def test_modelopt_per_phase_target_sparsity_is_read():
+    (group,) = parse_sparse_attention_config(_group(target_sparsity={"prefill": 0.4, "decode": 0.4}))
+    assert group.target_sparsity == 0.4

@@ -1,35 +1,78 @@
-"""The example generation (CLI) and the quickstart notebook run offline on the CPU."""
+"""The example generation and calibration (CLI) and the quickstart notebook run offline on the CPU."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
 import pytest
 
-from diffusers_trtllm.__main__ import main, run_demo, parse_args
+from diffusers_trtllm.__main__ import DEFAULT_GATE, DEFAULT_THRESHOLD, main, parse_args, run_demo
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_demo_runs_and_saves_comparison(tmp_path, capsys):
     start = time.perf_counter()
-    results = run_demo(parse_args(["--steps", "4", "--out", str(tmp_path)]))
-    assert time.perf_counter() - start < 30
+    results = run_demo(parse_args(["--steps", "4", "--out", str(tmp_path), "--disabled-until-timestep", "0.7"]))
+    assert time.perf_counter() - start < 60
     assert os.path.isfile(tmp_path / "comparison.png")
     dense, skip, sage = (results[k]["table"] for k in ("dense", "skip-softmax", "skip + SAGE int8"))
     assert [r["mode"] for r in dense] == ["dense"] * 4 and {r["routes"] for r in dense} == {"sdpa"}
-    # disabled_until_timestep=0.7 over t = 1, .75, .5, .25: the first two dense, then sparse.
+    # disabled_until_timestep=0.7 over t = 1, .75, .5, .25: the first two dense (gated), then sparse.
     assert [r["mode"] for r in skip] == ["dense", "dense", "sparse", "sparse"]
-    assert all(r["skipped_fraction"] > 0 for r in skip if r["mode"] == "sparse")
-    assert all(r["sage"] for r in sage)
+    assert [r["gated"] for r in skip] == [True, True, False, False]
+    assert results["skip-softmax"]["skipped"] > 0.2  # the tiny pipeline's attention is local: tiles are skipped
+    assert all(r["sage"] == "int8" for r in sage)
     out = capsys.readouterr().out
-    assert "difference vs dense" in out and "skipped" in out
+    assert "difference vs dense" in out and "RANDOM WEIGHTS" in out and "dense (gated)" in out
+    assert "single_transformer_blocks.0.attn (self)" in out  # the per-layer summary
 
 
 def test_cli_entry_point(tmp_path, capsys):
-    main(["--steps", "2", "--out", str(tmp_path), "--quant", "fp8_e4m3", "--threshold", "0.1"])
-    assert "skip + SAGE fp8_e4m3" in capsys.readouterr().out
+    main(["--steps", "2", "--out", str(tmp_path), "--quant", "fp8_e4m3", "--threshold", "0.1", "--height", "32",
+          "--width", "48"])
+    out = capsys.readouterr().out
+    assert "skip + SAGE fp8_e4m3" in out and "384 image tokens" in out
+
+
+def test_offline_calibrate_then_demo_with_that_calibration(tmp_path, capsys):
+    path = tmp_path / "calib.json"
+    main(["calibrate", "--out", str(path), "--steps", "4", "--target-sparsity", "0.3"])
+    config = json.loads(path.read_text())
+    assert config["sparse_attention_config"]["config_groups"]["group_0"]["target_sparsity"] == 0.3
+    results = run_demo(parse_args(["--steps", "4", "--out", str(tmp_path), "--target-sparsity", "0.3",
+                                   "--calibration", str(path), "--disabled-until-timestep", "0"]))
+    assert abs(results["skip-softmax"]["skipped"] - 0.3) < 0.08
+    assert "calibrating the tiny pipeline first" not in capsys.readouterr().out
+
+
+def test_target_sparsity_offline_calibrates_on_the_fly(tmp_path, capsys):
+    run_demo(parse_args(["--steps", "2", "--out", str(tmp_path), "--target-sparsity", "0.3"]))
+    assert "calibrating the tiny pipeline first" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--prompt", "a cat"], "--prompt needs --model"),
+    (["--height", "40"], "multiple of 16"),
+    (["--calibration", "README.md"], "pass --target-sparsity too"),
+    (["calibrate", "--prompts", "p.txt"], "--prompts needs --model"),
+    (["calibrate", "--model", "some/model"], "--model needs --prompts"),
+])
+def test_flags_that_cannot_work_offline_are_refused(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_help_shows_the_defaults_the_readme_quotes(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"(default: {DEFAULT_THRESHOLD})" in out and f"(default: {DEFAULT_GATE})" in out
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    assert f"--threshold {DEFAULT_THRESHOLD}" in readme and f"--disabled-until-timestep {DEFAULT_GATE}" in readme
 
 
 def test_quickstart_notebook_executes(monkeypatch):

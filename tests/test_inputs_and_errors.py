@@ -212,7 +212,9 @@ def test_cli_help_shows_defaults(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--help"])
     out = " ".join(capsys.readouterr().out.split())
-    assert "(default: 0.2)" in out and "(default: 0.7)" in out and "(default: auto)" in out
+    from diffusers_trtllm.__main__ import DEFAULT_GATE, DEFAULT_THRESHOLD
+
+    assert f"(default: {DEFAULT_THRESHOLD})" in out and f"(default: {DEFAULT_GATE})" in out and "(default: auto)" in out
 
 
 def test_calibration_json_roundtrip_of_accepted_file(tmp_path):
