@@ -24,7 +24,7 @@ def test_demo_runs_and_saves_comparison(tmp_path, capsys):
     assert [r["mode"] for r in skip] == ["dense", "dense", "sparse", "sparse"]
     assert [r["gated"] for r in skip] == [True, True, False, False]
     assert results["skip-softmax"]["skipped"] > 0.2  # the tiny pipeline's attention is local: tiles are skipped
-    assert all(r["sage"] == "int8" for r in sage)
+    assert all(r["sage"] and r["sage_dtype"] == "int8" for r in sage)
     out = capsys.readouterr().out
     assert "difference vs dense" in out and "RANDOM WEIGHTS" in out and "dense (gated)" in out
     assert "single_transformer_blocks.0.attn (self)" in out  # the per-layer summary
