@@ -143,7 +143,9 @@ class TrtllmAttnProcessor:
         #: A normalized t published with ``set_timestep`` (for layers outside any tracked transformer).
         self._t_value: float | None = None
         self._has_callback = False
-        self._stock_backend: Any = None
+        #: What Diffusers sets on "the" processor for the stock path (``_attention_backend``,
+        #: ``_parallel_config``): forwarded to every layer's stock processor, now and on binding.
+        self._stock_attrs: dict[str, Any] = {}
         _installation.patch_diffusers()
 
     def _init_runtime(self) -> None:
@@ -169,18 +171,29 @@ class TrtllmAttnProcessor:
     def quant(self) -> QuantConfig | None:
         return self._role_settings["self"].quant
 
-    # ---- Diffusers' attention backend: the stock path's ---------------------------------------
+    # ---- Diffusers' attention backend and parallel config: the stock processors' --------------
+    def _set_on_stock(self, name: str, value: Any) -> None:
+        self._stock_attrs[name] = value
+        for state in list(self._layers):
+            _forward_attr(state.stock, name, value)
+
     @property
     def _attention_backend(self) -> Any:
-        return self._stock_backend
+        return self._stock_attrs.get("_attention_backend")
 
     @_attention_backend.setter
     def _attention_backend(self, backend: Any) -> None:
         """``model.set_attention_backend(name)`` sets this: the stock path of every layer uses it."""
-        self._stock_backend = backend
-        for state in list(self._layers):
-            if state.stock is not None and hasattr(state.stock, "_attention_backend"):
-                state.stock._attention_backend = backend
+        self._set_on_stock("_attention_backend", backend)
+
+    @property
+    def _parallel_config(self) -> Any:
+        return self._stock_attrs.get("_parallel_config")
+
+    @_parallel_config.setter
+    def _parallel_config(self, config: Any) -> None:
+        """``model.enable_parallelism(config=...)`` sets this: every stock processor passes it to attention."""
+        self._set_on_stock("_parallel_config", config)
 
     # ---- the processor call ---------------------------------------------------------------
     def __call__(self, attn: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -220,8 +233,9 @@ class TrtllmAttnProcessor:
         else:
             stock = None
             state.reason = "the processor it replaced is unknown"
-        if stock is not None and self._stock_backend is not None and hasattr(stock, "_attention_backend"):
-            stock._attention_backend = self._stock_backend
+        for attr, value in self._stock_attrs.items():
+            if value is not None:
+                _forward_attr(stock, attr, value)
         state.set_stock(stock, module)
         _accept_keywords(stock)
         state.refresh()
@@ -303,6 +317,12 @@ class TrtllmAttnProcessor:
         return (f"TrtllmAttnProcessor(skip_softmax_threshold={s.skip.threshold}, target_sparsity={s.skip.target_sparsity}, "
                 f"disabled_until_timestep={s.skip.disabled_until_timestep}, quant={q.dtype_qk if q else None}, "
                 f"backend={s.backend!r}, layers={len(self._layers)})")
+
+
+def _forward_attr(stock: Any, name: str, value: Any) -> None:
+    """Set a Diffusers processor attribute on a stock processor that has it."""
+    if stock is not None and hasattr(stock, name):
+        setattr(stock, name, value)
 
 
 # ---- the keywords our __call__ names ------------------------------------------------------------

@@ -12,8 +12,8 @@ functions the processor reaches for are rebound in its module:
 
 The rebound functions take ``*args, **kwargs`` and hand them unchanged to Diffusers'
 or torch's own function unless this thread is running one of our layers and the
-call is one we serve (no dropout, not causal, no context parallelism, no autograd,
-no argument we do not know). So a stock model, in any thread, is never routed, and
+call is one we serve (no dropout, not causal, no autograd, no argument we do not know,
+context parallelism only as Ulysses: :mod:`.parallel`). So a stock model, in any thread, is never routed, and
 a new Diffusers argument passes through. Everything rebound is recorded and
 :func:`restore_globals` puts it back.
 
@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as torch_F
 
 from .._logging import info_once
+from .parallel import served_ulysses_degree, ulysses_attention
 
 __all__ = [
     "register_layer", "unregister_layer", "live_layers", "call_stock", "ensure_routing", "restore_globals",
@@ -154,18 +155,39 @@ def call_stock(state: Any, attn: torch.nn.Module, args: tuple, kwargs: dict) -> 
         _CALL.mask_source = None
 
 
-def _route(state: Any, query, key, value, attn_mask, scale, via_sdpa: bool) -> torch.Tensor:
+#: ``_route``'s default mask source: the one this thread's processor call passed.
+_CALL_MASK = object()
+
+
+def _route(state: Any, query, key, value, attn_mask, scale, via_sdpa: bool, shards: int = 1,
+           mask_source: Any = _CALL_MASK) -> torch.Tensor:
+    """Our op for this thread's call; ``shards``: the processor saw 1/shards of the sequence (Ulysses)."""
     tracker = state.tracker
+
+    def tokens(n: int) -> int:
+        return n * shards if n >= 0 else n
+
     return torch.ops.diffusers_trtllm.attention(
-        query, key, value, attn_mask, _CALL.mask_source, tracker.tensor if tracker is not None else None,
-        state.key, scale, _CALL.hidden_len, _CALL.encoder_len, via_sdpa,
+        query, key, value, attn_mask, _CALL.mask_source if mask_source is _CALL_MASK else mask_source,
+        tracker.tensor if tracker is not None else None, state.key, scale, tokens(_CALL.hidden_len),
+        tokens(_CALL.encoder_len), via_sdpa,
     )
+
+
+def _route_ulysses(state: Any, query, key, value, attn_mask, scale, parallel_config: Any, degree: int) -> torch.Tensor:
+    """Diffusers' Ulysses exchange around our op: each rank serves the whole sequence of its heads."""
+
+    def run(q, k, v, mask):
+        # A mask over local keys arrives all-gathered: a new tensor, so the layout is keyed on it, not on the source.
+        return _route(state, q, k, v, mask, scale, False, degree, mask_source=_CALL_MASK if mask is attn_mask else None)
+
+    return ulysses_attention(run, query, key, value, attn_mask, scale, parallel_config)
 
 
 # ---- argument handling, derived from the installed functions -----------------------------
 #: Arguments we serve, and the value each must have for us to serve the call.
-_MUST_BE = {"dropout_p": (0.0, 0), "is_causal": (False, None), "attention_kwargs": (None,), "parallel_config": (None,)}
-_USED = ("attn_mask", "scale")
+_MUST_BE = {"dropout_p": (0.0, 0), "is_causal": (False, None), "attention_kwargs": (None,)}
+_USED = ("attn_mask", "scale", "parallel_config")
 _IGNORED = ("enable_gqa", "backend")  # GQA follows from the head counts; the backend is the stock path's
 
 
@@ -176,8 +198,10 @@ def _positional_names(fn: Callable) -> tuple[str, ...]:
     return tuple(p.name for p in params[3:])
 
 
-def _servable_arguments(names: tuple[str, ...], args: tuple, kwargs: dict, query: torch.Tensor) -> Optional[dict]:
-    """``{"attn_mask", "scale"}`` if we serve this call, else None (it then runs stock, unchanged)."""
+def _servable_arguments(names: tuple[str, ...], args: tuple, kwargs: dict, query: torch.Tensor,
+                        key: torch.Tensor) -> Optional[dict]:
+    """``{"attn_mask", "scale", "parallel_config", "ulysses"}`` if we serve this call, else None (it then runs
+    stock, unchanged); ``ulysses``: the Ulysses degree of a context-parallel call (0: none)."""
     if torch.is_grad_enabled() and query.requires_grad:
         return None
     if len(args) > len(names):
@@ -196,7 +220,14 @@ def _servable_arguments(names: tuple[str, ...], args: tuple, kwargs: dict, query
                       "diffusers_trtllm: attention called with %s=%r, which it does not know; that call runs stock.",
                       name, value)
             return None
-    return {"attn_mask": given.get("attn_mask"), "scale": given.get("scale")}
+    parallel_config = given.get("parallel_config")
+    ulysses = 0
+    if parallel_config is not None:
+        ulysses = served_ulysses_degree(parallel_config) or 0
+        if not ulysses or key.shape[2] != query.shape[2]:  # ring, uneven splits, GQA: Diffusers' own path
+            return None
+    return {"attn_mask": given.get("attn_mask"), "scale": given.get("scale"), "parallel_config": parallel_config,
+            "ulysses": ulysses}
 
 
 def _routed_dispatch(original: Callable) -> Callable:
@@ -205,7 +236,10 @@ def _routed_dispatch(original: Callable) -> Callable:
     def dispatch_attention_fn(query, key, value, *args, **kwargs):
         state = getattr(_CALL, "layer", None)
         if state is not None:
-            served = _servable_arguments(names, args, kwargs, query)
+            served = _servable_arguments(names, args, kwargs, query, key)
+            if served is not None and served["ulysses"]:
+                return _route_ulysses(state, query, key, value, served["attn_mask"], served["scale"],
+                                      served["parallel_config"], served["ulysses"])
             if served is not None:
                 return _route(state, query, key, value, served["attn_mask"], served["scale"], False)
         return original(query, key, value, *args, **kwargs)
@@ -228,7 +262,7 @@ def _routed_sdpa(query, key, value, *args, **kwargs):
     """``F.scaled_dot_product_attention`` (``[B, H, S, D]``) that routes while one of our layers runs here."""
     state = getattr(_CALL, "layer", None)
     if state is not None:
-        served = _servable_arguments(_SDPA_NAMES, args, kwargs, query)
+        served = _servable_arguments(_SDPA_NAMES, args, kwargs, query, key)
         if served is not None:
             out = _route(state, query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
                          served["attn_mask"], served["scale"], True)

@@ -1,0 +1,172 @@
+"""Diffusers' context parallelism (Ulysses, 2 gloo processes on the CPU) served by our routes.
+
+Each rank runs our op on the whole sequence of its heads, so the output equals the
+single-process output of the same route (reference, skip-softmax + int8 SAGE) up to float
+order, timestep gating matches step for step, and the per-rank skipped tiles add up to the
+single process's. See docs/design.md, "Context parallelism".
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import tiny_models
+from diffusers_trtllm import TrtllmAttnProcessor, attach_denoise_tracking, install
+
+WORLD = 2
+GATE = 0.5
+SPARSE = dict(skip_softmax_threshold=0.3, disabled_until_timestep=GATE, backend="reference",
+              quant={"dtype_qk": "int8", "k_block_size": 1}, policy="always")
+DENSE = dict(backend="reference")
+#: (family, processor settings, install before enable_parallelism, timestep divisor, raw timesteps of two steps)
+CASES = (
+    ("wan_skipping", SPARSE, True, 1000.0, (700.0, 300.0)),
+    ("flux", SPARSE, False, 1.0, (0.7, 0.3)),
+    ("flux", DENSE, True, 1.0, (0.7, 0.3)),
+)
+
+
+def _build(family: str) -> tuple[torch.nn.Module, dict]:
+    """A tiny model; ``wan_skipping``: Wan with 512 tokens whose self-attention skips KV tiles.
+
+    Its self-attention queries are all alike (``to_q`` keeps only its bias, RoPE is the identity)
+    and its keys sharp (``norm_k`` x6), so whole 128x128 tiles fall below the skip threshold.
+    """
+    if family != "wan_skipping":
+        return tiny_models.build(family)
+    model, inputs = tiny_models.build("wan_t2v")
+    with torch.no_grad():
+        model.rope.freqs_cos.fill_(1.0)
+        model.rope.freqs_sin.fill_(0.0)
+        for block in model.blocks:
+            block.attn1.to_q.weight.zero_()
+            block.attn1.norm_k.weight.mul_(6.0)
+    inputs["hidden_states"] = torch.randn(1, 4, 2, 32, 32, generator=torch.Generator().manual_seed(5))
+    return model, inputs
+
+
+def _records(proc) -> list[tuple]:
+    return [(layer.name, layer.role, r.step, round(r.t, 3), r.sparse, r.sage, r.route, r.skipped_tiles, r.total_tiles)
+            for layer in proc.layers for r in layer.records]
+
+
+def _run_case(family, settings, install_first, divisor, timesteps, parallel=None):
+    """Outputs of two forwards (one per timestep) and the per-layer records, in this process."""
+    model, inputs = _build(family)
+    proc = TrtllmAttnProcessor(**settings)
+    if parallel is not None and not install_first:
+        model.enable_parallelism(config=parallel())
+    install(model, proc)
+    if parallel is not None and install_first:
+        model.enable_parallelism(config=parallel())
+    attach_denoise_tracking(model, timestep_divisor=divisor)
+    outputs = []
+    for raw in timesteps:
+        inputs["timestep"] = torch.full_like(inputs["timestep"], raw, dtype=torch.float32)
+        with torch.no_grad():
+            outputs.append(model(**inputs)[0].numpy().copy())  # numpy: sent by value between processes
+    return outputs, _records(proc)
+
+
+def _worker(rank: int, port: int, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        try:  # Ulysses needs all_to_all_single; some gloo builds lack it
+            probe = torch.arange(WORLD, dtype=torch.float32)
+            dist.all_to_all_single(torch.empty_like(probe), probe)
+        except (RuntimeError, NotImplementedError) as err:
+            results.put((rank, "skip", f"gloo lacks all_to_all_single: {err}"))
+            return
+        # Diffusers computes rank % torch.accelerator.device_count(), which is 0 on a CPU-only torch.
+        torch.accelerator.device_count = lambda: 1
+        from diffusers import ContextParallelConfig
+
+        def parallel():
+            return ContextParallelConfig(ulysses_degree=WORLD)
+
+        results.put((rank, "ok", [_run_case(*case, parallel=parallel) for case in CASES]))
+    except BaseException as err:  # noqa: BLE001 - reported to the test
+        results.put((rank, "error", repr(err)))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(rank, port, results)) for rank in range(WORLD)]
+    for p in procs:
+        p.start()
+    try:
+        got = dict((rank, (status, payload)) for rank, status, payload in (results.get(timeout=120) for _ in procs))
+    except queue.Empty:
+        pytest.fail("the gloo workers gave no result within 120 s")
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    for status, payload in got.values():
+        if status == "skip":
+            pytest.skip(payload)
+        assert status == "ok", payload
+    return [got[rank][1] for rank in range(WORLD)]
+
+
+@pytest.mark.parametrize("case", range(len(CASES)), ids=[f"{c[0]}-{'sparse' if c[1] is SPARSE else 'dense'}-"
+                                                        f"{'install_first' if c[2] else 'enable_first'}" for c in CASES])
+def test_ulysses_equals_one_process(ranks, case):
+    single_outputs, single_records = _run_case(*CASES[case])
+    for rank, per_case in enumerate(ranks):
+        outputs, records = per_case[case]
+        for step, (out, ref) in enumerate(zip(outputs, single_outputs)):
+            out, ref = torch.from_numpy(out), torch.from_numpy(ref)
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5, msg=f"rank {rank}, step {step}")
+        # Same layers, roles, steps, t, gating, SAGE and route on every rank as on one process.
+        assert [r[:7] for r in records] == [r[:7] for r in single_records], f"rank {rank}"
+    if CASES[case][1] is SPARSE:
+        modes = {(r[2], r[4]) for r in single_records}
+        assert modes == {(0, False), (1, True)}, "t=0.7 runs dense and t=0.3 sparse (gate 0.5)"
+        # Under Ulysses each rank counts the tiles of its own heads: together they are the single
+        # process's. (Wan's cross-attention runs without parallel_config: local queries, every head.)
+        for i, single in enumerate(single_records):
+            skipped = [per_case[case][1][i][7] for per_case in ranks]
+            total = [per_case[case][1][i][8] for per_case in ranks]
+            if single[8] and single[1] != "cross":
+                assert (sum(skipped), sum(total)) == (single[7], single[8]), single
+    if CASES[case][0] == "wan_skipping":
+        assert sum(r[7] for r in single_records if r[7]) > 0, "the structured Wan must skip tiles"
+
+
+@pytest.mark.parametrize("config, degree", [
+    (dict(ulysses_degree=2), 2),
+    (dict(ulysses_degree=4), 4),
+    (dict(ring_degree=2), None),  # needs each KV shard's log-sum-exp: stock path
+    (dict(ring_degree=2, ulysses_degree=2), None),
+    (dict(ulysses_degree=2, ulysses_anything=True), None),
+])
+def test_which_context_parallel_calls_are_served(config, degree):
+    from diffusers import ContextParallelConfig, ParallelConfig
+
+    from diffusers_trtllm.integration.parallel import served_ulysses_degree
+
+    assert served_ulysses_degree(ParallelConfig(context_parallel_config=ContextParallelConfig(**config))) == degree
+    assert served_ulysses_degree(ParallelConfig()) is None
