@@ -225,6 +225,9 @@ def _servable_arguments(names: tuple[str, ...], args: tuple, kwargs: dict, query
     if parallel_config is not None:
         ulysses = served_ulysses_degree(parallel_config) or 0
         if not ulysses or key.shape[2] != query.shape[2]:  # ring, uneven splits, GQA: Diffusers' own path
+            info_once(("context-parallel-stock",),
+                      "diffusers_trtllm: context parallelism other than plain Ulysses (ring, ulysses_anything, GQA) "
+                      "runs Diffusers' own attention; ContextParallelConfig(ulysses_degree=n) is served.")
             return None
     return {"attn_mask": given.get("attn_mask"), "scale": given.get("scale"), "parallel_config": parallel_config,
             "ulysses": ulysses}
