@@ -8,9 +8,11 @@ single process's. See docs/design.md, "Context parallelism".
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import socket
+from pathlib import Path
 
 import pytest
 import torch
@@ -75,9 +77,29 @@ def _run_case(family, settings, install_first, divisor, timesteps, parallel=None
     return outputs, _records(proc)
 
 
-def _worker(rank: int, port: int, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+def _ulysses_cases() -> list:
+    from diffusers import ContextParallelConfig
+
+    def parallel():
+        return ContextParallelConfig(ulysses_degree=WORLD)
+
+    return [_run_case(*case, parallel=parallel) for case in CASES]
+
+
+def _bench_cp(out: str) -> dict:
+    from diffusers_trtllm.bench import cp
+
+    rank = dist.get_rank()  # main() ends the process group
+    cp.main(["--variant", "tiny", "--device", "cpu", "--dtype", "float32", "--backend", "reference", "--out", out,
+             "--configs", "dense,sage-int8,sage-int8+skip", "--iters", "1", "--warmup", "0"])
+    return json.loads((Path(out) / "cp.json").read_text()) if rank == 0 else {}
+
+
+def _worker(rank: int, port: int, results, job, args) -> None:
+    """One gloo rank (torchrun's environment variables) running ``job(*args)``."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(WORLD))
+    dist.init_process_group("gloo")
     try:
         try:  # Ulysses needs all_to_all_single; some gloo builds lack it
             probe = torch.arange(WORLD, dtype=torch.float32)
@@ -87,16 +109,12 @@ def _worker(rank: int, port: int, results) -> None:
             return
         # Diffusers computes rank % torch.accelerator.device_count(), which is 0 on a CPU-only torch.
         torch.accelerator.device_count = lambda: 1
-        from diffusers import ContextParallelConfig
-
-        def parallel():
-            return ContextParallelConfig(ulysses_degree=WORLD)
-
-        results.put((rank, "ok", [_run_case(*case, parallel=parallel) for case in CASES]))
+        results.put((rank, "ok", job(*args)))
     except BaseException as err:  # noqa: BLE001 - reported to the test
         results.put((rank, "error", repr(err)))
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def _free_port() -> int:
@@ -105,14 +123,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def ranks():
+def _on_ranks(job, *args) -> list:
+    """``job(*args)``'s result on each of ``WORLD`` gloo processes (skips if gloo cannot run Ulysses)."""
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(rank, port, results)) for rank in range(WORLD)]
+    procs = [ctx.Process(target=_worker, args=(rank, port, results, job, args)) for rank in range(WORLD)]
     for p in procs:
         p.start()
     try:
@@ -129,6 +147,11 @@ def ranks():
             pytest.skip(payload)
         assert status == "ok", payload
     return [got[rank][1] for rank in range(WORLD)]
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return _on_ranks(_ulysses_cases)
 
 
 @pytest.mark.parametrize("case", range(len(CASES)), ids=[f"{c[0]}-{'sparse' if c[1] is SPARSE else 'dense'}-"
@@ -170,3 +193,14 @@ def test_which_context_parallel_calls_are_served(config, degree):
 
     assert served_ulysses_degree(ParallelConfig(context_parallel_config=ContextParallelConfig(**config))) == degree
     assert served_ulysses_degree(ParallelConfig()) is None
+
+
+def test_cp_benchmark_runs_on_gloo(tmp_path):
+    """``torchrun -m diffusers_trtllm.bench cp``'s code path on 2 CPU ranks (tiny Wan, reference route)."""
+    result = _on_ranks(_bench_cp, str(tmp_path))[0]
+    rows = {row["setting"]: row for row in result["rows"]}
+    assert list(rows) == ["stock", "dense", "sage-int8", "sage-int8+skip"]
+    assert result["ulysses_degree"] == WORLD and result["environment"]["command"].startswith("torchrun")
+    assert rows["dense"]["rel_l1_vs_stock"] < 1e-5
+    assert rows["sage-int8"]["routes"]["self"] == "reference+sage"
+    assert 0 < rows["sage-int8"]["rel_l1_vs_stock"] < 0.05

@@ -15,7 +15,8 @@ from .suite import Settings, run_suite
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m diffusers_trtllm.bench", description=__doc__,
-                                epilog="The end-to-end benchmark: python -m diffusers_trtllm.bench e2e --help")
+                                epilog="The end-to-end benchmark: python -m diffusers_trtllm.bench e2e --help; over GPUs: "
+                                       "torchrun --nproc-per-node 2 -m diffusers_trtllm.bench cp --help")
     p.add_argument("--shapes", default="standard", help="'standard', names from inputs.SHAPES, or name=B:S:H:D (comma-separated)")
     p.add_argument("--thresholds", type=floats, default=(), help="skip-softmax thresholds (lambda) to time, e.g. 0.01,0.05")
     p.add_argument("--target-skips", type=floats, default=(0.25, 0.5, 0.75),
@@ -41,6 +42,10 @@ def main(argv: list[str] | None = None) -> Path | None:
         from .e2e import main as e2e_main
 
         return e2e_main(argv[1:])
+    if argv[:1] == ["cp"]:  # context parallelism over GPUs, under torchrun (bench.cp)
+        from .cp import main as cp_main
+
+        return cp_main(argv[1:])
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     settings = Settings(
