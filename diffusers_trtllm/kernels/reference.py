@@ -111,6 +111,9 @@ class ReferenceResult:
     out: torch.Tensor
     skipped_tiles: int
     total_tiles: int
+    #: ``[q_tokens, heads]`` float32: natural log of each row's softmax denominator over the keys
+    #: it attended (skipped tiles excluded), scaled-logit domain; what ring attention merges by.
+    lse: torch.Tensor | None = None
 
     @property
     def skipped_fraction(self) -> float:
@@ -157,6 +160,7 @@ def reference_attention(
     if heads is not None:
         q, k, v = q[:, heads], k[:, heads], v[:, heads]
     out = torch.zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=torch.float32, device=q.device)
+    lse = torch.full(q.shape[:2], -math.inf, dtype=torch.float32, device=q.device)
     skipped = total = 0
     q0 = kv0 = 0
     for lq, lkv in zip(q_lens, kv_lens):
@@ -165,20 +169,25 @@ def reference_attention(
             ks = k[kv0 : kv0 + lkv].transpose(0, 1)
             vs = v[kv0 : kv0 + lkv].transpose(0, 1)
             lam = None if skip_factor is None else skip_factor / lkv
-            o, s, t = _attend_sequence(qs, ks, vs, softmax_scale, lam, pv_fp8, tile_q, tile_kv)
+            o, row_lse, s, t = _attend_sequence(qs, ks, vs, softmax_scale, lam, pv_fp8, tile_q, tile_kv)
             out[q0 : q0 + lq] = o.transpose(0, 1)
+            lse[q0 : q0 + lq] = row_lse.transpose(0, 1)
             skipped, total = skipped + s, total + t
         q0, kv0 = q0 + lq, kv0 + lkv
-    return ReferenceResult(out.to(out_dtype), skipped, total)
+    return ReferenceResult(out.to(out_dtype), skipped, total, lse)
 
 
 def _attend_sequence(q, k, v, scale, lam, pv_fp8, tile_q, tile_kv):
-    """One sequence, ``[H, L, D]`` float32: online softmax over KV tiles, query tiles in chunks."""
+    """One sequence, ``[H, L, D]`` float32: online softmax over KV tiles, query tiles in chunks.
+
+    Returns the output, each row's log-sum-exp ``[H, Lq]``, and the skipped and total tile counts.
+    """
     heads, lq, _ = q.shape
     lkv = k.shape[1]
     n_qt, n_kt = -(-lq // tile_q), -(-lkv // tile_kv)
     tiles_per_chunk = max(1, _CHUNK_ELEMENTS // (heads * tile_q * tile_kv))
     out = torch.empty(heads, lq, v.shape[-1], device=q.device)
+    lse = torch.empty(heads, lq, device=q.device)
     skipped = 0
     for t0 in range(0, n_qt, tiles_per_chunk):
         r0, r1 = t0 * tile_q, min(lq, (t0 + tiles_per_chunk) * tile_q)
@@ -213,7 +222,8 @@ def _attend_sequence(q, k, v, scale, lam, pv_fp8, tile_q, tile_kv):
             acc = acc * alpha[..., None] + torch.matmul(p, v[:, c0:c1])
             m = m_new
         out[:, r0:r1] = acc / denom[..., None]
-    return out, skipped, heads * n_qt * n_kt
+        lse[:, r0:r1] = m + torch.log(denom)
+    return out, lse, skipped, heads * n_qt * n_kt
 
 
 class ReferenceRoute(Route):
