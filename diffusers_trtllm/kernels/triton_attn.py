@@ -88,23 +88,19 @@ if triton is not None:
         """Online-softmax update with one KV tile; log2-domain scores are ``s * q_row_scale``.
 
         The running max ``m_i`` is kept in ``s``'s units and subtracted before the row
-        scale, and the exponent is capped at 0 (``log2 448`` with SAGE), so ``p`` stays in
-        the fp16/fp8 range whatever the magnitude or the compiler's FMA contraction.
+        scale (with SAGE, whose scores are products, the exponent is also capped at ``log2 448``),
+        so ``p`` stays in the fp16/fp8 range whatever the magnitude or the compiler's FMA contraction.
         """
         m_new = tl.maximum(m_i, local)
         alpha = tl.math.exp2((m_i - m_new) * q_row_scale)
-        # Where ``s`` is itself a product (SAGE: dot * k_scale) the compiler may fuse it into
-        # ``s - m`` as one FMA of the unrounded product, which can exceed the rounded max by half
-        # an ulp of |s|: at |scores| ~ 1e9 that is an exponent of +1000. Cap at 0 (NaN passes).
-        if SAGE:  # per-row scale
-            x = (s - m_new[:, None]) * q_row_scale[:, None]
-        else:
-            x = (s - m_new[:, None]) * q_row_scale
-        x = tl.where(x > 0.0, 0.0, x)
         if SAGE:  # 448 * p, ready for the fp8 cast; l carries the same factor
-            p = tl.math.exp2(x + _LOG2_P_SCALE)
-        else:
-            p = tl.math.exp2(x)
+            # ``s`` is a product here (dot * k_scale): the compiler may fuse it into ``s - m`` as one
+            # FMA of the unrounded product, which can exceed the rounded max by half an ulp of |s|
+            # (an exponent of hundreds at |scores| ~ 1e9, measured on the H200). Cap at 0; NaN passes.
+            x = (s - m_new[:, None]) * q_row_scale[:, None]
+            p = tl.math.exp2(tl.where(x > 0.0, 0.0, x) + _LOG2_P_SCALE)
+        else:  # ``s`` is the dot's accumulator: nothing to fuse, ``s - m <= 0`` exactly
+            p = tl.math.exp2((s - m_new[:, None]) * q_row_scale)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         if SAGE:
