@@ -29,8 +29,8 @@ POLICIES = ("auto", "always")
 
 #: KV lengths up to this are "short" (text cross-attention: 512 tokens). Skip-softmax never skips
 #: the first KV tile, so at most 3 of 4 tiles could go, and QK^T runs for all of them; measured on the
-#: H200 (Wan-14B cross-attention, 32,760 queries x 512 keys): cuDNN dense 0.73 ms, triton skip at 50%
-#: skipped 1.05 ms, triton SAGE int8 1.53 ms.
+#: H200 (Wan-14B cross-attention, 32,760 queries x 512 keys; benchmarks/results/hopper_cross_h200.md):
+#: cuDNN dense 0.73 ms, triton skip at 50% skipped 1.05 ms, triton SAGE int8 1.53 ms.
 SHORT_KV = TEXT_KV
 
 #: On SM90, SAGE pays from this KV length. Measured on the H200 (vs cuDNN, whole call with quantization):

@@ -26,7 +26,7 @@ LONG_KV = 16384
 #: - D=64 short (sd3_1024): fmha-v2 1.10, fa3 1.08, cuDNN 1.00 (an earlier run: 1.12, 1.12, 1.00);
 #: - D=128 short (flux_1024, qwen_image_1328): fa3 0.95-1.18, cuDNN 0.99-1.04, fmha-v2 0.88-0.96;
 #: - D=128 long (the Wan shapes): fa3 1.11-1.16, cuDNN 1.00, fmha-v2 1.00-1.01;
-#: - D=128 text (Wan-14B cross-attention, 32,760 queries x 512 keys; benchmarks/results/hopper_h200.md):
+#: - D=128 text (Wan-14B cross-attention, 32,760 queries x 512 keys; benchmarks/results/hopper_cross_h200.md):
 #:   cuDNN 1.00, fa3 0.77 (fmha-v2 cannot serve unequal query and key counts).
 SM90_DENSE_ORDER: dict[tuple[int, str], tuple[str, ...]] = {
     (128, "text"): ("sdpa", "fa3", "fmha-v2"),
