@@ -8,7 +8,9 @@ source .whl/setup.sh
 export PYTHONUNBUFFERED=1
 _aot=/tmp/site/flashinfer/data/aot
 mkdir -p "$_aot"
-for _a in .jit/*.tar.xz; do [ -f "$_a" ] && tar xJf "$_a" -C "$_aot"; done
+for _a in .jit/*.tar.xz; do  # a damaged archive leaves nothing behind, so the kernel is built (and saved) again
+  [ -f "$_a" ] && { tar xJf "$_a" -C "$_aot" || { echo "damaged JIT archive $_a"; rm -rf "$_aot/$(basename "$_a" .tar.xz)"; }; }
+done
 save_jit() {
   local so uri
   for so in $(find "$FLASHINFER_WORKSPACE_BASE" -path '*cached_ops*' -name '*.so' 2>/dev/null); do

@@ -195,7 +195,7 @@ def run_attention(
         collect_stats=collect_stats,
         role=role,
     )
-    decision = apply_policy(call, policy, honour)
+    decision = apply_policy(call, policy, honour, skip.target_sparsity if skip is not None else None)
     call = decision.call
     try:
         route = select_route(call, backend)

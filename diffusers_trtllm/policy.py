@@ -23,7 +23,8 @@ from dataclasses import dataclass, replace
 from .kernels._dense_order import TEXT_KV
 from .routes import AttentionCall, device_sm
 
-__all__ = ["POLICIES", "FEATURES", "SHORT_KV", "SAGE_MIN_KV_SM90", "SAGE_INT8_MIN_KV_SM90", "PolicyDecision", "apply_policy"]
+__all__ = ["POLICIES", "FEATURES", "SHORT_KV", "SAGE_MIN_KV_SM90", "SAGE_INT8_MIN_KV_SM90", "SKIP_ALONE_MIN_SPARSITY_SM90",
+           "PolicyDecision", "apply_policy"]
 
 POLICIES = ("auto", "always")
 
@@ -43,6 +44,14 @@ SAGE_MIN_KV_SM90 = 16384
 #: (benchmarks/results/e2e_h200.md). At 720p (75,600 keys) it ran 1.23x against fa3's 1.11x
 #: (benchmarks/results/triton_h200.md, before the kernel's overflow fixes cost ~6%).
 SAGE_INT8_MIN_KV_SM90 = 65536
+
+
+#: On SM90, skip-softmax without SAGE moves the call from fa3 to FMHAv2 in bf16, slower when nothing
+#: is skipped. Whole Wan forwards on the H200 against fa3 dense (benchmarks/results/e2e_h200.md):
+#: 0.90x at 0% skipped (random weights), 1.03x at 44.5% (1.3B) and 1.03x at 52.9% (14B); the line
+#: through them crosses 1.0 at about 34%. So skip alone runs only where a calibrated
+#: ``target_sparsity`` promises at least this much; a bare threshold says nothing of the fraction.
+SKIP_ALONE_MIN_SPARSITY_SM90 = 0.35
 
 
 @dataclass(frozen=True)
@@ -66,11 +75,13 @@ def _measured_device(device) -> bool:
 FEATURES = ("skip", "sage")
 
 
-def apply_policy(call: AttentionCall, policy: str = "auto", honour: Collection[str] = ()) -> PolicyDecision:
+def apply_policy(call: AttentionCall, policy: str = "auto", honour: Collection[str] = (),
+                 target_sparsity: float | None = None) -> PolicyDecision:
     """Drop the parts of ``call``'s request that cannot pay off on it (``policy="auto"``).
 
     ``honour`` names features (``"skip"``, ``"sage"``) kept whatever the rules say: what the
-    user set explicitly for this call's role.
+    user set explicitly for this call's role. ``target_sparsity`` is the calibrated skipped
+    fraction the request asks for (None: a bare threshold, fraction unknown).
     """
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}; got {policy!r}.")
@@ -91,4 +102,11 @@ def apply_policy(call: AttentionCall, policy: str = "auto", honour: Collection[s
             why = "int8 SAGE (triton) is slower than fa3 dense" if int8 else "quantizing costs more than it saves"
             dropped.append(f"SAGE off: {kv} keys < {least}, {why} on SM90")
             call = replace(call, quant=None)
+    if (call.skip_factor is not None and call.quant is None and "skip" not in honour
+            and device_sm(call.q.device) == 90
+            and (target_sparsity is None or target_sparsity < SKIP_ALONE_MIN_SPARSITY_SM90)):
+        promised = "a bare threshold" if target_sparsity is None else f"target_sparsity {target_sparsity:g}"
+        dropped.append(f"skip-softmax off: alone it runs FMHAv2 bf16, slower than fa3 dense below "
+                       f"{SKIP_ALONE_MIN_SPARSITY_SM90:.0%} skipped tiles on SM90 ({promised})")
+        call = replace(call, skip_factor=None)
     return PolicyDecision(call, tuple(dropped))

@@ -105,10 +105,11 @@ def test_probe_reports_a_curve_per_contrast(one_thread):
 
 def test_settings_build_processor_arguments():
     assert SETTINGS["sage-fp8+skip"].processor_kwargs(0.02, "auto") == {
-        "backend": "auto", "quant": {"dtype_qk": "fp8_e4m3"}, "skip_softmax_threshold": 0.02,
+        "backend": "auto", "policy": "auto", "quant": {"dtype_qk": "fp8_e4m3"}, "skip_softmax_threshold": 0.02,
         "disabled_until_timestep": 0.0,
     }
-    assert SETTINGS["dense"].processor_kwargs(0.02, "fa3") == {"backend": "fa3"}
+    assert SETTINGS["dense"].processor_kwargs(0.02, "fa3") == {"backend": "fa3", "policy": "auto"}
+    assert SETTINGS["skip-always"].processor_kwargs(0.02, "auto")["policy"] == "always"
 
 
 @pytest.mark.gpu

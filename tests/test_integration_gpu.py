@@ -51,8 +51,10 @@ def _run(model, inputs):
 
 @pytest.mark.parametrize("family", ["flux", "wan_t2v"])
 @pytest.mark.parametrize("regional", [False, True], ids=["whole", "regional"])
-def test_inductor_compile_matches_eager(family, regional):
+def test_inductor_compile_matches_eager(family, regional, caplog):
     from torch._dynamo.utils import counters
+
+    torch._logging.set_logs(recompiles=True)  # a failure shows why a block compiled again
 
     model, inputs = _cuda(family)
     stock = _run(model, inputs)
@@ -70,7 +72,8 @@ def test_inductor_compile_matches_eager(family, regional):
     out = _run(compiled, inputs)
     out = _run(compiled, inputs)
     assert not counters["graph_break"]
-    assert counters["stats"]["unique_graphs"] <= 2
+    torch._logging.set_logs()
+    assert counters["stats"]["unique_graphs"] <= 2, [r.getMessage() for r in caplog.records if "ecompil" in r.getMessage()]
     assert rel_l1(out.float(), eager.float()) < 2e-2  # inductor fuses the bf16 norms and RoPE differently
     assert rel_l1(out.float(), stock.float()) < 5e-2
     uninstall(model)

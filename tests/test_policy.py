@@ -40,7 +40,7 @@ def test_short_kv_runs_without_skip_and_sage_on_sm90(on_gpu):
 
 def test_sage_needs_a_long_kv_on_sm90_only(on_gpu):
     fp8 = QuantConfig(dtype_qk="fp8_e4m3")
-    image = policy_mod.apply_policy(_call(4608, quant=fp8))
+    image = policy_mod.apply_policy(_call(4608, quant=fp8), honour=("skip",))  # the SAGE rule alone
     assert image.call.skip_factor == 1.0 and image.call.quant is None and "4608 keys < 16384" in image.note
     video = policy_mod.apply_policy(_call(32760, quant=fp8))
     assert video.call.skip_factor == 1.0 and video.call.quant == fp8 and video.note is None
@@ -99,3 +99,21 @@ def test_processor_records_the_policy_and_honours_explicit_roles(on_gpu):
     assert "skip-softmax off" in proc.format_step_table()
     with pytest.raises(ValueError, match="policy must be one of"):
         TrtllmAttnProcessor(policy="sometimes")
+
+
+def test_skip_alone_needs_a_promised_sparsity_on_sm90(on_gpu):
+    bare = policy_mod.apply_policy(_call(32760, quant=None))
+    assert bare.call.skip_factor is None and "slower than fa3 dense below 35%" in bare.note and "bare threshold" in bare.note
+    low = policy_mod.apply_policy(_call(32760, quant=None), target_sparsity=0.2)
+    assert low.call.skip_factor is None and "target_sparsity 0.2" in low.note
+    high = policy_mod.apply_policy(_call(32760, quant=None), target_sparsity=0.5)
+    assert high.call.skip_factor == 1.0 and high.note is None
+    kept = policy_mod.apply_policy(_call(32760, quant=None), honour=("skip",))
+    assert kept.call.skip_factor == 1.0
+    fp8 = QuantConfig(dtype_qk="fp8_e4m3")
+    with_sage = policy_mod.apply_policy(_call(32760, quant=fp8))  # skip beside SAGE stays
+    assert with_sage.call.skip_factor == 1.0 and with_sage.call.quant == fp8
+    int8_480p = policy_mod.apply_policy(_call(32760))  # int8 dropped first, then skip alone
+    assert int8_480p.call.quant is None and int8_480p.call.skip_factor is None
+    on_gpu(100)
+    assert policy_mod.apply_policy(_call(32760, quant=None)).call.skip_factor == 1.0

@@ -59,9 +59,11 @@ class ProcessorSetting:
     quant: str | None = None
     skip: bool = False
     stock: bool = False
+    #: The processor's ``policy``: "always" shows what a request gives where "auto" declines it.
+    policy: str = "auto"
 
     def processor_kwargs(self, threshold: float, backend: str) -> dict[str, Any]:
-        kwargs: dict[str, Any] = {"backend": backend}
+        kwargs: dict[str, Any] = {"backend": backend, "policy": self.policy}
         if self.quant:
             kwargs["quant"] = {"dtype_qk": self.quant}
         if self.skip:
@@ -77,6 +79,7 @@ SETTINGS: dict[str, ProcessorSetting] = {
         ProcessorSetting("sage-int8", quant="int8"),
         ProcessorSetting("sage-fp8", quant="fp8_e4m3"),
         ProcessorSetting("skip", skip=True),
+        ProcessorSetting("skip-always", skip=True, policy="always"),
         ProcessorSetting("sage-int8+skip", quant="int8", skip=True),
         ProcessorSetting("sage-fp8+skip", quant="fp8_e4m3", skip=True),
     )

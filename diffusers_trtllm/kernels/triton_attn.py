@@ -78,6 +78,8 @@ else:
 
 if triton is not None:
     from . import triton_quant
+    from triton.language.extra import libdevice
+
     from .triton_quant import max_nan, round_fp8_grid, vt_start
 
     _LOG2_P_SCALE = tl.constexpr(math.log2(448.0))
@@ -88,18 +90,14 @@ if triton is not None:
         """Online-softmax update with one KV tile; log2-domain scores are ``s * q_row_scale``.
 
         The running max ``m_i`` is kept in ``s``'s units and subtracted before the row
-        scale (with SAGE, whose scores are products, the exponent is also capped at ``log2 448``),
-        so ``p`` stays in the fp16/fp8 range whatever the magnitude or the compiler's FMA contraction.
+        scale, so ``s - m <= 0`` exactly and ``p`` stays in the fp16/fp8 range whatever
+        the magnitude (``s`` is rounded once, see ``_tile``).
         """
         m_new = tl.maximum(m_i, local)
         alpha = tl.math.exp2((m_i - m_new) * q_row_scale)
         if SAGE:  # 448 * p, ready for the fp8 cast; l carries the same factor
-            # ``s`` is a product here (dot * k_scale): the compiler may fuse it into ``s - m`` as one
-            # FMA of the unrounded product, which can exceed the rounded max by half an ulp of |s|
-            # (an exponent of hundreds at |scores| ~ 1e9, measured on the H200). Cap at 0; NaN passes.
-            x = (s - m_new[:, None]) * q_row_scale[:, None]
-            p = tl.math.exp2(tl.where(x > 0.0, 0.0, x) + _LOG2_P_SCALE)
-        else:  # ``s`` is the dot's accumulator: nothing to fuse, ``s - m <= 0`` exactly
+            p = tl.math.exp2((s - m_new[:, None]) * q_row_scale[:, None] + _LOG2_P_SCALE)
+        else:
             p = tl.math.exp2((s - m_new[:, None]) * q_row_scale)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
@@ -116,10 +114,25 @@ if triton is not None:
         return acc, l_i, m_new
 
     @triton.jit
+    def _rounded_product(a, b, COMPILED: tl.constexpr):
+        """``a * b`` rounded once (PTX ``mul.rn``, which is never contracted into an FMA).
+
+        A plain product may be fused into the later ``s - m`` as one FMA of the unrounded
+        value, which then differs from the rounded ``s`` the row max was taken from by up to
+        half an ulp of ``|s|``: at scores of 1e8 and more, times the row scale, an exponent
+        of hundreds either way (all-zero or inf rows, measured on the H200). The interpreter
+        has no libdevice and rounds every product anyway.
+        """
+        if COMPILED:
+            return libdevice.mul_rn(a, b)
+        else:
+            return a * b
+
+    @triton.jit
     def _tile(acc, l_i, m_i, n_skipped, q, q_row_scale, row_ok, desc_k, desc_v, k_scale_ptr, k_scale_first,
               kv_start, v_start, start_n, kv_len, kv_col, log2_lam, qk_scale,
               HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr, K_BS: tl.constexpr,
-              MASK: tl.constexpr, SKIP: tl.constexpr, NATIVE: tl.constexpr):
+              MASK: tl.constexpr, SKIP: tl.constexpr, NATIVE: tl.constexpr, COMPILED: tl.constexpr):
         """One KV tile: scores, the skip decision, and (unless skipped) the softmax/P·V update."""
         cols = start_n + tl.arange(0, BLOCK_N)
         k = desc_k.load([kv_start + start_n, kv_col])
@@ -131,7 +144,8 @@ if triton is not None:
                 s = (tl.dot(q, k.T, out_dtype=tl.int32) + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
             else:
                 s = tl.dot(q, k.T)
-            s = s * tl.load(k_scale_ptr + k_scale_first + cols // K_BS, mask=cols < kv_len, other=0.0)[None, :]
+            k_scale = tl.load(k_scale_ptr + k_scale_first + cols // K_BS, mask=cols < kv_len, other=0.0)[None, :]
+            s = _rounded_product(s, k_scale, COMPILED)
         if MASK:
             s = tl.where((cols < kv_len)[None, :], s, -float("inf"))
         local = max_nan(s, 1)  # NaN rows stay NaN, so the skip rule keeps their tiles (as the reference)
@@ -155,7 +169,7 @@ if triton is not None:
         cu_q_ptr, cu_kv_ptr, qk_scale, skip_factor, n_q_blocks, n_k_blocks, stride_ot, stride_oh,
         H: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         QUANT: tl.constexpr, Q_BS: tl.constexpr, K_BS: tl.constexpr, SKIP: tl.constexpr, STATS: tl.constexpr,
-        NATIVE: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+        NATIVE: tl.constexpr, COMPILED: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
     ):
         m0 = tl.program_id(0) * BLOCK_M
         seq = tl.program_id(1) // H
@@ -190,12 +204,12 @@ if triton is not None:
                 acc, l_i, m_i, n_skipped = _tile(
                     acc, l_i, m_i, n_skipped, q, q_row_scale, row_ok, desc_k, desc_v, k_scale_ptr, k_scale_first,
                     kv_start, v_start, start_n, kv_len, kv_col, log2_lam, qk_scale,
-                    HEAD_DIM, BLOCK_N, QUANT, K_BS, False, SKIP, NATIVE)
+                    HEAD_DIM, BLOCK_N, QUANT, K_BS, False, SKIP, NATIVE, COMPILED)
             if full < kv_len:  # the ragged last tile, masked
                 acc, l_i, m_i, n_skipped = _tile(
                     acc, l_i, m_i, n_skipped, q, q_row_scale, row_ok, desc_k, desc_v, k_scale_ptr, k_scale_first,
                     kv_start, v_start, full, kv_len, kv_col, log2_lam, qk_scale,
-                    HEAD_DIM, BLOCK_N, QUANT, K_BS, True, SKIP, NATIVE)
+                    HEAD_DIM, BLOCK_N, QUANT, K_BS, True, SKIP, NATIVE, COMPILED)
             o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
             if QUANT != 0:
                 o = o * tl.load(v_scale_ptr + kv_head * HEAD_DIM + dims)[None, :]
@@ -268,7 +282,7 @@ def triton_attention(
         H=heads, GROUP=heads // kv_heads, HEAD_DIM=dim, BLOCK_M=bm, BLOCK_N=bn,
         QUANT=quant_code, Q_BS=block_sizes[0], K_BS=block_sizes[1],
         SKIP=skip_factor is not None, STATS=collect_stats and skip_factor is not None,
-        NATIVE=triton_quant.fp8_native(q.device), WARP_SPECIALIZE=cfg.warp_specialize,
+        NATIVE=triton_quant.fp8_native(q.device), COMPILED=not triton_quant.interpreting(), WARP_SPECIALIZE=cfg.warp_specialize,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     total = heads * sum(-(-lq // bm) * -(-lkv // bn) for lq, lkv in zip(layout.q_lens, layout.kv_lens) if lq and lkv)
