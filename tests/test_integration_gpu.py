@@ -49,19 +49,10 @@ def _run(model, inputs):
         return model(**inputs)[0]
 
 
-@pytest.mark.parametrize("family", ["flux", "wan_t2v"])
-@pytest.mark.parametrize("regional", [False, True], ids=["whole", "regional"])
-def test_inductor_compile_matches_eager(family, regional, caplog):
+def _compiled_graphs(model, inputs, regional: bool):
+    """The compiled model's output (second run) and how many graphs compiling it made."""
     from torch._dynamo.utils import counters
 
-    torch._logging.set_logs(recompiles=True)  # a failure shows why a block compiled again
-
-    model, inputs = _cuda(family)
-    stock = _run(model, inputs)
-    proc = TrtllmAttnProcessor(skip_softmax_threshold=0.05, disabled_until_timestep=0.9)
-    install(model, proc)
-    attach_denoise_tracking(model, timestep_divisor=1.0 if family == "flux" else 1000.0)
-    eager = _run(model, inputs)
     torch._dynamo.reset()
     counters.clear()
     if regional:
@@ -69,11 +60,30 @@ def test_inductor_compile_matches_eager(family, regional, caplog):
         compiled = model
     else:
         compiled = torch.compile(model, fullgraph=True)
-    out = _run(compiled, inputs)
+    _run(compiled, inputs)
     out = _run(compiled, inputs)
     assert not counters["graph_break"]
-    torch._logging.set_logs()
-    assert counters["stats"]["unique_graphs"] <= 2, [r.getMessage() for r in caplog.records if "ecompil" in r.getMessage()]
+    graphs = counters["stats"]["unique_graphs"]
+    if regional:  # undo compile_repeated_blocks (nn.Module.compile) for the next compile
+        for block in model.modules():
+            block._compiled_call_impl = None
+    return out, graphs
+
+
+@pytest.mark.parametrize("family", ["flux", "wan_t2v"])
+@pytest.mark.parametrize("regional", [False, True], ids=["whole", "regional"])
+def test_inductor_compile_matches_eager(family, regional):
+    model, inputs = _cuda(family)
+    stock = _run(model, inputs)
+    # Stock Diffusers' own graph count is the bar: Flux's single blocks get a strided slice from the
+    # second block on, so regional compile makes one graph more for them with or without us.
+    _, stock_graphs = _compiled_graphs(model, inputs, regional)
+    proc = TrtllmAttnProcessor(skip_softmax_threshold=0.05, disabled_until_timestep=0.9)
+    install(model, proc)
+    attach_denoise_tracking(model, timestep_divisor=1.0 if family == "flux" else 1000.0)
+    eager = _run(model, inputs)
+    out, graphs = _compiled_graphs(model, inputs, regional)
+    assert graphs <= stock_graphs
     assert rel_l1(out.float(), eager.float()) < 2e-2  # inductor fuses the bf16 norms and RoPE differently
     assert rel_l1(out.float(), stock.float()) < 5e-2
     uninstall(model)
