@@ -204,3 +204,5 @@ def test_cp_benchmark_runs_on_gloo(tmp_path):
     assert rows["dense"]["rel_l1_vs_stock"] < 1e-5
     assert rows["sage-int8"]["routes"]["self"] == "reference+sage"
     assert 0 < rows["sage-int8"]["rel_l1_vs_stock"] < 0.05
+    table = (tmp_path / "cp.md").read_text()
+    assert "over 2 GPU(s)" in table and "| sage-int8+skip |" in table

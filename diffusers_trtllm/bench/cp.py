@@ -27,7 +27,7 @@ import torch.distributed as dist
 from .cli import add_common_args, names
 from .e2e import DEFAULT_THRESHOLD, SETTINGS, _sdpa_context, processor_summary
 from .models import MODELS, build_model, local_attention, model_inputs
-from .report import environment
+from .report import environment, format_cp_markdown
 from .timing import rel_l1, time_fn
 
 __all__ = ["run_cp", "main"]
@@ -100,7 +100,7 @@ def run_cp(args: argparse.Namespace) -> dict[str, Any]:
             })
             if proc is not None:
                 uninstall(model)
-    return {"model": spec.describe(args.variant), "latent": list(inputs["hidden_states"].shape[1:]),
+    return {"model": f"{type(model).__name__} ({args.model}, {args.variant})", "latent": list(inputs["hidden_states"].shape[1:]),
             "tokens": _tokens(model, inputs), "ulysses_degree": world, "weights": args.weights,
             "threshold": args.threshold, "t": args.t, "rows": rows}
 
@@ -149,7 +149,9 @@ def main(argv: list[str] | None = None) -> Path | None:
         env = environment(str(torch.device(args.device)), ["cp", *argv])
         env["command"] = f"torchrun --nproc-per-node {dist.get_world_size()} -m diffusers_trtllm.bench " \
                          + " ".join(["cp", *argv])
-        path.write_text(json.dumps({"environment": env, **result}, indent=2) + "\n")
+        data = {"environment": env, **result}
+        path.write_text(json.dumps(data, indent=2) + "\n")
+        path.with_suffix(".md").write_text(format_cp_markdown(data))
         for row in result["rows"]:
             print(f"{row['setting']:>16}: {row['time_ms']:9.1f} ms  {row['speed_vs_stock']:.3f}x stock  "
                   f"rel-L1 {row['rel_l1_vs_stock']:.4f}  {row['routes']}")

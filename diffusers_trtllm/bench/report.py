@@ -21,7 +21,7 @@ from .suite import Settings, ShapeResult
 if TYPE_CHECKING:
     from .e2e import E2EOptions, E2ERow, ModelResult
 
-__all__ = ["environment", "write_json", "write_markdown", "write_plot", "write_e2e_json", "write_e2e_markdown"]
+__all__ = ["environment", "write_json", "write_markdown", "write_plot", "write_e2e_json", "write_e2e_markdown", "format_cp_markdown"]
 
 
 def _version(module: str, distribution: str | None = None) -> str | None:
@@ -228,3 +228,24 @@ def write_plot(path: Path, results: list[ShapeResult]) -> bool:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True
+
+
+def format_cp_markdown(data: dict[str, Any]) -> str:
+    """The context-parallel benchmark's ``NAME.json`` as a Markdown table (``bench cp`` writes both)."""
+    latent = "x".join(map(str, data["latent"]))
+    lines = _header(f"Context parallelism: one forward over {data['ulysses_degree']} GPU(s) (Ulysses)", data["environment"])
+    lines += [
+        f"{data['model']}, latent {latent} ({data['tokens']:,} tokens), {data['weights']} weights, "
+        f"skip threshold {data['threshold']}, t = {data['t']}. `vs stock`: Diffusers' own attention "
+        "(cuDNN SDPA; under Ulysses its context-parallel attention) time / this time, same run; rel-L1: "
+        "output against stock's; `skipped`: the triton route's skipped-tile fraction on rank 0's heads.",
+        "",
+        "| setting | ms | vs stock | rel-L1 | skipped | routes | policy |",
+        "|---|---:|---:|---:|---:|---|---|",
+    ]
+    for row in data["rows"]:
+        routes = "; ".join(f"{role}: {route}" for role, route in row["routes"].items())
+        policy = "; ".join(f"{role}: {note}" for role, note in row["policy"].items())
+        lines.append(f"| {row['setting']} | {row['time_ms']:.1f} | {row['speed_vs_stock']:.3f} | "
+                     f"{row['rel_l1_vs_stock']:.4f} | {_fmt(row['skipped_fraction_rank0'], '.1%')} | {routes} | {policy} |")
+    return "\n".join(lines) + "\n"
