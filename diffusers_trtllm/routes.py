@@ -48,6 +48,10 @@ class AttentionCall:
     collect_stats: bool = False
     #: Attention role ("self", "cross", "joint", ...) for messages.
     role: str = "self"
+    #: Also return each query row's log-sum-exp (ring attention merges KV shards by it).
+    return_lse: bool = False
+    #: The keys are one of this many equal KV shards of the sequence (ring attention's degree).
+    kv_shards: int = 1
 
     def describe(self) -> str:
         tokens, heads, dim = self.q.shape
@@ -57,6 +61,8 @@ class AttentionCall:
             parts.append("skip-softmax")
         if self.quant is not None:
             parts.append(f"SAGE {self.quant.dtype_qk}")
+        if self.return_lse:
+            parts.append(f"log-sum-exp (ring over {self.kv_shards} KV shards)")
         sm = device_sm(self.q.device)
         parts.append(f"on {self.q.device}" + (f" (sm_{sm})" if sm else ""))
         return ", ".join(parts)
@@ -72,6 +78,10 @@ class AttentionResult:
     sparse: bool = False
     sage: bool = False
     note: str | None = None
+    #: ``[q_tokens, heads]`` float32 natural log-sum-exp of each row's scaled logits over the keys it
+    #: attended (skipped tiles excluded), when the call asked for it; ``run_attention`` unpacks it to
+    #: ``[batch, q_len, heads]``.
+    lse: torch.Tensor | None = None
 
     @property
     def skipped_fraction(self) -> float | None:
@@ -107,6 +117,8 @@ class Capabilities:
     skip_softmax: bool = False
     sage_dtypes: frozenset[str] = frozenset()
     grouped_query: bool = True
+    #: Returns each row's log-sum-exp (``AttentionCall.return_lse``), as ring attention needs.
+    lse: bool = False
 
 
 class Route(ABC):
@@ -160,6 +172,8 @@ def _capability_reasons(caps: Capabilities, call: AttentionCall) -> list[str]:
         reasons.append(
             f"no SAGE with dtype_qk={call.quant.dtype_qk}" if caps.sage_dtypes else "no SAGE quantization"
         )
+    if call.return_lse and not caps.lse:
+        reasons.append("returns no log-sum-exp (ring attention merges KV shards by it)")
     return reasons
 
 

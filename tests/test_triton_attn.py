@@ -88,11 +88,16 @@ def _check_attention(dtype, dim, kv_heads, dtype_qk, skip):
     quant = QuantConfig(dtype_qk, 4, 16) if dtype_qk else None
     factor = None if skip is None else skip * max(LENS_KV)
     kw = dict(softmax_scale=dim**-0.5, skip_factor=factor, quant=quant)
-    res = triton_attention(q, k, v, layout, collect_stats=True, config=KernelConfig(TILE, TILE, 4, 1), **kw)
+    res = triton_attention(q, k, v, layout, collect_stats=True, return_lse=True, config=KernelConfig(TILE, TILE, 4, 1),
+                           **kw)
     ref = reference_attention(
         q, k, v, layout.cu_seqlens_q, layout.cu_seqlens_kv, layout.q_lens, layout.kv_lens,
         tile_q=TILE, tile_kv=TILE, **kw,
     )
+    # Ring attention's log-sum-exp: natural log, [tokens, heads] float32, skipped tiles excluded.
+    assert res.lse is not None and res.lse.shape == ref.lse.shape and res.lse.dtype == torch.float32
+    lse_tol = 1e-4 if dtype == torch.float32 else 2e-3
+    assert (res.lse - ref.lse).abs().max() < lse_tol, f"lse max abs error {(res.lse - ref.lse).abs().max():.3g}"
     assert res.total_tiles == ref.total_tiles
     assert res.skipped_tiles == ref.skipped_tiles, (res.skipped_tiles, ref.skipped_tiles)
     if skip is not None:

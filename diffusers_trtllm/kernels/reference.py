@@ -236,6 +236,7 @@ class ReferenceRoute(Route):
         dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
         skip_softmax=True,
         sage_dtypes=frozenset({"int8", "fp8_e4m3"}),
+        lse=True,
     )
 
     def run(self, call: AttentionCall) -> AttentionResult:
@@ -252,7 +253,8 @@ class ReferenceRoute(Route):
             skip_factor=call.skip_factor,
             quant=call.quant,
         )
-        return AttentionResult(res.out, self.name, res.skipped_tiles, res.total_tiles)
+        return AttentionResult(res.out, self.name, res.skipped_tiles, res.total_tiles,
+                               lse=res.lse if call.return_lse else None)
 
 
 register_route(ReferenceRoute())

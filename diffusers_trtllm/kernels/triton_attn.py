@@ -12,7 +12,9 @@ default, from H200 sweeps; ``KernelConfig`` overrides them): scores live in the
 log2 domain (``log2(e)`` folded into the scale), P is formed as ``448 * p`` directly
 (``exp2((s - m) * scale + log2 448)``, never above 448 for any finite input) and
 cast to fp8, and the row sum carries the same factor, so it cancels. NaN or inf in
-Q/K/V gives a non-finite output, as torch's attention does.
+Q/K/V gives a non-finite output, as torch's attention does. On request the kernel also
+writes each row's log-sum-exp (``[tokens, heads]`` float32, natural log of the scaled
+logits' exponent sum, the reference's ``lse``): ring attention merges KV shards by it.
 Hopper tools: tensor descriptors (TMA) for every tile load, software-pipelined
 KV loop (``num_stages``), int8 ``tl.dot`` into int32 and fp8 ``tl.dot``.
 
@@ -34,6 +36,7 @@ from ..routes import AttentionCall, AttentionResult, Capabilities, Route, device
 __all__ = ["TritonRoute", "TritonAttentionOutput", "triton_attention", "KernelConfig"]
 
 LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,8 @@ class TritonAttentionOutput:
     out: torch.Tensor
     skipped_tiles: int | None
     total_tiles: int
+    #: ``[tokens, heads]`` float32 natural log-sum-exp per row, when asked for (``return_lse``).
+    lse: torch.Tensor | None = None
 
 
 try:  # optional dependency: without it the route reports why it cannot run
@@ -83,6 +88,7 @@ if triton is not None:
     from .triton_quant import max_nan, round_fp8_grid, vt_start
 
     _LOG2_P_SCALE = tl.constexpr(math.log2(448.0))
+    _LN2 = tl.constexpr(LN2)
 
     @triton.jit
     def _update(acc, l_i, m_i, s, q_row_scale, local, desc_v, v_row, v_col, SAGE: tl.constexpr,
@@ -165,11 +171,11 @@ if triton is not None:
 
     @triton.jit
     def _attn_fwd(
-        desc_q, desc_k, desc_v, out_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, stats_ptr,
+        desc_q, desc_k, desc_v, out_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, stats_ptr, lse_ptr,
         cu_q_ptr, cu_kv_ptr, qk_scale, skip_factor, n_q_blocks, n_k_blocks, stride_ot, stride_oh,
         H: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         QUANT: tl.constexpr, Q_BS: tl.constexpr, K_BS: tl.constexpr, SKIP: tl.constexpr, STATS: tl.constexpr,
-        NATIVE: tl.constexpr, COMPILED: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+        LSE: tl.constexpr, NATIVE: tl.constexpr, COMPILED: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
     ):
         m0 = tl.program_id(0) * BLOCK_M
         seq = tl.program_id(1) // H
@@ -216,6 +222,11 @@ if triton is not None:
             tok = (q_start + rows).to(tl.int64)
             tl.store(out_ptr + tok[:, None] * stride_ot + head * stride_oh + dims[None, :],
                      o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+            if LSE:  # log2 of the row sum, less SAGE's 448 factor, plus the max in log2 units; then natural log
+                lse2 = m_i * q_row_scale + tl.log2(l_i)
+                if QUANT != 0:
+                    lse2 = lse2 - _LOG2_P_SCALE
+                tl.store(lse_ptr + tok * H + head, lse2 * _LN2, mask=row_ok)
             if STATS:
                 tl.atomic_add(stats_ptr, n_skipped)
 
@@ -238,12 +249,14 @@ def triton_attention(
     skip_factor: float | None = None,
     quant: QuantConfig | None = None,
     collect_stats: bool = False,
+    return_lse: bool = False,
     config: KernelConfig | None = None,
 ) -> TritonAttentionOutput:
     """Attention over packed ``[tokens, heads, dim]`` tensors with the Triton kernel.
 
     ``config`` overrides the tuned tile sizes and launch knobs (tests use small
-    tiles; the skip rule's tiles are ``block_m x block_n``).
+    tiles; the skip rule's tiles are ``block_m x block_n``). ``return_lse`` also
+    returns each row's log-sum-exp.
     """
     if _TRITON_MISSING:
         raise RuntimeError(_TRITON_MISSING)
@@ -274,20 +287,21 @@ def triton_attention(
         scales = (out,) * 3  # never read
         n_blocks, block_sizes, quant_code = (0, 0), (1, 1), 0
     stats = torch.zeros(1, dtype=torch.int32, device=q.device) if collect_stats else out  # out: never written
+    lse = torch.empty(tokens_q, heads, dtype=torch.float32, device=q.device) if return_lse else out  # never written
     grid = (triton.cdiv(layout.max_seqlen_q, bm), layout.num_seqs * heads)
     _attn_fwd[grid](
-        desc_q, desc_k, desc_v, out, *scales, stats,
+        desc_q, desc_k, desc_v, out, *scales, stats, lse,
         layout.cu_seqlens_q, layout.cu_seqlens_kv, softmax_scale * LOG2E,
         float(skip_factor or 0.0), *n_blocks, out.stride(0), out.stride(1),
         H=heads, GROUP=heads // kv_heads, HEAD_DIM=dim, BLOCK_M=bm, BLOCK_N=bn,
         QUANT=quant_code, Q_BS=block_sizes[0], K_BS=block_sizes[1],
-        SKIP=skip_factor is not None, STATS=collect_stats and skip_factor is not None,
+        SKIP=skip_factor is not None, STATS=collect_stats and skip_factor is not None, LSE=return_lse,
         NATIVE=triton_quant.fp8_native(q.device), COMPILED=not triton_quant.interpreting(), WARP_SPECIALIZE=cfg.warp_specialize,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     total = heads * sum(-(-lq // bm) * -(-lkv // bn) for lq, lkv in zip(layout.q_lens, layout.kv_lens) if lq and lkv)
     skipped = int(stats.item()) if collect_stats and skip_factor is not None else (0 if collect_stats else None)
-    return TritonAttentionOutput(out, skipped, total)
+    return TritonAttentionOutput(out, skipped, total, lse if return_lse else None)
 
 
 class TritonRoute(Route):
@@ -299,6 +313,7 @@ class TritonRoute(Route):
         head_dims=frozenset({64, 128}),
         skip_softmax=True,
         sage_dtypes=frozenset({"int8", "fp8_e4m3"}),
+        lse=True,
     )
 
     def extra_reasons(self, call: AttentionCall) -> list[str]:
@@ -327,8 +342,10 @@ class TritonRoute(Route):
             skip_factor=call.skip_factor,
             quant=call.quant,
             collect_stats=call.collect_stats,
+            return_lse=call.return_lse,
         )
-        return AttentionResult(res.out, self.name, res.skipped_tiles, res.total_tiles if call.collect_stats else None)
+        return AttentionResult(res.out, self.name, res.skipped_tiles, res.total_tiles if call.collect_stats else None,
+                               lse=res.lse)
 
 
 register_route(TritonRoute())
