@@ -34,9 +34,13 @@ def check_route_choice(backend: str, fallback: str | None, where: str = "") -> N
 
 
 def resolve_skip_factor(
-    skip: SkipSoftmaxConfig | None, max_seqlen_kv: int, timestep: float | None, role: str = "self"
+    skip: SkipSoftmaxConfig | None, max_seqlen_kv: int, timestep: float | None, role: str = "self", kv_shards: int = 1
 ) -> float | None:
-    """The kernel's scale factor for this call, or None to run dense (gated, or not configured)."""
+    """The kernel's scale factor for this call, or None to run dense (gated, or not configured).
+
+    ``kv_shards``: the keys are one of that many equal shards (ring attention); ``lambda`` is then
+    the whole sequence's (``factor / (kv_shards * shard_len)``), as on one process.
+    """
     if skip is None or not skip.configured:
         return None
     if skip.gated and timestep is None:
@@ -50,7 +54,7 @@ def resolve_skip_factor(
         return None
     if not skip.active_at(timestep):
         return None
-    return skip.scale_factor(max_seqlen_kv)
+    return skip.scale_factor(max_seqlen_kv * kv_shards) / kv_shards
 
 
 def resolve_quant(quant: QuantConfig | None, layout: PackedLayout, role: str = "self") -> QuantConfig | None:
@@ -163,6 +167,8 @@ def run_attention(
     layout_cache: LayoutCache | None = None,
     policy: str = "auto",
     honour: Collection[str] = (),
+    return_lse: bool = False,
+    kv_shards: int = 1,
 ) -> tuple[torch.Tensor, AttentionResult]:
     """Attention over ``[batch, tokens, heads, dim]`` tensors; returns the output and the route's result.
 
@@ -171,6 +177,9 @@ def run_attention(
     ``honour`` keeps the named features (``"skip"``, ``"sage"``) whatever the rules say.
     ``skip`` and ``quant`` take every form ``SkipSoftmaxConfig.coerce`` / ``QuantConfig.coerce``
     accept (a threshold or a dict; a dtype name or a dict).
+    ``return_lse``: the result also carries each query row's log-sum-exp, ``result.lse``
+    ``[batch, q_tokens, heads]`` float32 (only routes that return it can serve the call);
+    ``kv_shards``: the keys are one of that many equal KV shards of the sequence (ring attention).
     """
     check_route_choice(backend, fallback)
     check_tensors(query, key, value)
@@ -190,10 +199,12 @@ def run_attention(
         v=layout.pack_kv(value),
         layout=layout,
         softmax_scale=scale,
-        skip_factor=resolve_skip_factor(skip, layout.max_seqlen_kv, timestep, role),
+        skip_factor=resolve_skip_factor(skip, layout.max_seqlen_kv, timestep, role, kv_shards),
         quant=resolve_quant(quant, layout, role),
         collect_stats=collect_stats,
         role=role,
+        return_lse=return_lse,
+        kv_shards=kv_shards,
     )
     decision = apply_policy(call, policy, honour, skip.target_sparsity if skip is not None else None)
     call = decision.call
@@ -218,6 +229,8 @@ def run_attention(
         call = dense
     result = route.run(call)
     result.sparse, result.sage, result.note = call.skip_factor is not None, call.quant is not None, decision.note
+    if result.lse is not None:
+        result.lse = layout.unpack_q(result.lse[..., None])[..., 0]
     return layout.unpack_q(result.out), result
 
 

@@ -138,25 +138,45 @@ class LayerState:
     def serve(self, query, key, value, attn_mask, mask_source, timestep, scale, hidden_len: int, encoder_len: int,
               via_sdpa: bool) -> torch.Tensor:
         """Our attention for one intercepted call, ``[B, S, H, D]`` in and out."""
+        return self._serve(query, key, value, attn_mask, mask_source, timestep, scale, hidden_len, encoder_len,
+                           via_sdpa, 0)[0]
+
+    def serve_kv_shard(self, query, key, value, timestep, scale, hidden_len: int, encoder_len: int,
+                       kv_shards: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Ring attention: ``[B, S, H, D]`` output over one of ``kv_shards`` KV shards, and its ``[B, S, H]``
+        float32 log-sum-exp, which Diffusers merges shards by. Unmasked (masks keep the stock path)."""
+        return self._serve(query, key, value, None, None, timestep, scale, hidden_len, encoder_len, False, kv_shards)
+
+    def _stock_or_fail(self, kv_shards: int, why: str, query, key, value, attn_mask, scale, via_sdpa):
+        """The stock path of a call we do not run; a ring shard cannot take it (no log-sum-exp from it)."""
+        if kv_shards:
+            raise RuntimeError(f"diffusers_trtllm: {self.label} cannot serve a ring-attention KV shard: {why}; "
+                               "run this layer without ring attention (ContextParallelConfig(ulysses_degree=n)).")
+        return intercept.stock_attention(self, query, key, value, attn_mask, scale, via_sdpa), None
+
+    def _serve(self, query, key, value, attn_mask, mask_source, timestep, scale, hidden_len: int, encoder_len: int,
+               via_sdpa: bool, kv_shards: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """``serve``'s work; ``kv_shards > 0``: a ring shard, also returning the log-sum-exp."""
         if not self.role_observed:
             self.role = observed_role(self.role, self.module_is_cross, query.shape[1], key.shape[1], hidden_len,
                                       encoder_len)
             self.role_observed = True
             self.refresh()
         settings = self.settings()
+        stock = (query, key, value, attn_mask, scale, via_sdpa)
         if settings.mode == "stock":
-            return intercept.stock_attention(self, query, key, value, attn_mask, scale, via_sdpa)
+            return self._stock_or_fail(kv_shards, f"its role {self.role!r} is set to 'stock'", *stock)
         t = self._timestep(timestep)
         if query.shape[1] == 0 or key.shape[1] == 0:
             self._record(t, "stock", False, False, None)
-            return intercept.stock_attention(self, query, key, value, attn_mask, scale, via_sdpa)
+            return self._stock_or_fail(kv_shards, "it has no queries or keys", *stock)
         try:
             plan = self._plan(query, key, attn_mask, mask_source)
         except MaskNotSupportedError as err:
             warn_once(("stock-mask", self.role, type(self.stock).__name__),
                       "TrtllmAttnProcessor: %s attention (%s) keeps its stock path: %s", self.role, self.label, err)
             self._record(t, "stock", False, False, None)
-            return intercept.stock_attention(self, query, key, value, attn_mask, scale, via_sdpa)
+            return self._stock_or_fail(kv_shards, str(err), *stock)
         layout = plan.layout
         skip = settings.skip if settings.mode == "trtllm" else None
         quant = settings.quant if settings.mode == "trtllm" else None
@@ -168,11 +188,12 @@ class LayerState:
             query, key, value, layout=layout, softmax_scale=scale, skip=skip, quant=quant, timestep=t,
             backend=settings.backend, fallback=settings.fallback, role=self.role,
             collect_stats=self.processor.collect_stats, policy=settings.policy, honour=settings.honour,
+            return_lse=kv_shards > 0, kv_shards=max(kv_shards, 1),
         )
         if plan.padded:
             out = self._stock_rows(out, plan, query, key, value, attn_mask, scale, via_sdpa)
         self._record(t, result.route, result.sparse, result.sage, result)
-        return out
+        return out, result.lse
 
     def _ungated_skip(self, skip: SkipSoftmaxConfig) -> SkipSoftmaxConfig | None:
         """Gated skip-softmax with no known t: say why once, then run dense (never a stale t)."""

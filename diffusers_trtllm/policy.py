@@ -95,7 +95,11 @@ def apply_policy(call: AttentionCall, policy: str = "auto", honour: Collection[s
     if call.skip_factor is not None and "skip" not in honour and kv <= SHORT_KV:
         dropped.append(f"skip-softmax off: {kv} keys <= {SHORT_KV}, too few tiles to skip")
         call = replace(call, skip_factor=None)
-    if call.quant is not None and "sage" not in honour and device_sm(call.q.device) == 90:
+    # The SM90 rules compare against fa3 / FMHAv2 dense. A call that returns its log-sum-exp (ring
+    # attention) has neither: only the triton kernel serves it, dense or not, so they do not apply
+    # (docs/design.md "Context parallelism").
+    sm90_rules = device_sm(call.q.device) == 90 and not call.return_lse
+    if call.quant is not None and "sage" not in honour and sm90_rules:
         int8 = call.quant.dtype_qk == "int8"
         least = SAGE_INT8_MIN_KV_SM90 if int8 else SAGE_MIN_KV_SM90
         if kv < least:
@@ -103,7 +107,7 @@ def apply_policy(call: AttentionCall, policy: str = "auto", honour: Collection[s
             dropped.append(f"SAGE off: {kv} keys < {least}, {why} on SM90")
             call = replace(call, quant=None)
     if (call.skip_factor is not None and call.quant is None and "skip" not in honour
-            and device_sm(call.q.device) == 90
+            and sm90_rules
             and (target_sparsity is None or target_sparsity < SKIP_ALONE_MIN_SPARSITY_SM90)):
         promised = "a bare threshold" if target_sparsity is None else f"target_sparsity {target_sparsity:g}"
         dropped.append(f"skip-softmax off: alone it runs FMHAv2 bf16, slower than fa3 dense below "

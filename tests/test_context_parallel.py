@@ -1,9 +1,11 @@
-"""Diffusers' context parallelism (Ulysses, 2 gloo processes on the CPU) served by our routes.
+"""Diffusers' context parallelism (Ulysses and ring, 2 gloo processes on the CPU) served by our routes.
 
-Each rank runs our op on the whole sequence of its heads, so the output equals the
+Ulysses: each rank runs our op on the whole sequence of its heads, so the output equals the
 single-process output of the same route (reference, skip-softmax + int8 SAGE) up to float
 order, timestep gating matches step for step, and the per-rank skipped tiles add up to the
-single process's. See docs/design.md, "Context parallelism".
+single process's. Ring: each rank runs our op per KV shard with its log-sum-exp and Diffusers
+merges them: dense equals one process; skip-softmax runs the per-shard rule (a subset of one
+process's skipped tiles). See docs/design.md, "Context parallelism".
 """
 
 from __future__ import annotations
@@ -84,6 +86,24 @@ def _ulysses_cases() -> list:
         return ContextParallelConfig(ulysses_degree=WORLD)
 
     return [_run_case(*case, parallel=parallel) for case in CASES]
+
+
+#: Ring cases: (family, processor settings, install before enable_parallelism, divisor, timesteps).
+SKIP_ONLY = dict(skip_softmax_threshold=0.3, backend="reference", policy="always")
+RING_CASES = (
+    ("wan_skipping", DENSE, True, 1000.0, (700.0, 300.0)),
+    ("flux", DENSE, False, 1.0, (0.7, 0.3)),
+    ("wan_skipping", SKIP_ONLY, True, 1000.0, (700.0, 300.0)),
+)
+
+
+def _ring_cases() -> list:
+    from diffusers import ContextParallelConfig
+
+    def parallel():
+        return ContextParallelConfig(ring_degree=WORLD)
+
+    return [_run_case(*case, parallel=parallel) for case in RING_CASES]
 
 
 def _bench_cp(out: str) -> dict:
@@ -179,20 +199,50 @@ def test_ulysses_equals_one_process(ranks, case):
         assert sum(r[7] for r in single_records if r[7]) > 0, "the structured Wan must skip tiles"
 
 
-@pytest.mark.parametrize("config, degree", [
-    (dict(ulysses_degree=2), 2),
-    (dict(ulysses_degree=4), 4),
-    (dict(ring_degree=2), None),  # needs each KV shard's log-sum-exp: stock path
-    (dict(ring_degree=2, ulysses_degree=2), None),
+@pytest.fixture(scope="module")
+def ring_ranks():
+    return _on_ranks(_ring_cases)
+
+
+@pytest.mark.parametrize("case", range(len(RING_CASES)), ids=[f"{c[0]}-{'skip' if c[1] is SKIP_ONLY else 'dense'}"
+                                                             for c in RING_CASES])
+def test_ring_equals_one_process(ring_ranks, case):
+    """Ring degree 2: every rank's output is one process's (dense: up to float order; skip: close, the
+    per-shard rule skips a subset of one process's tiles, and each shard's tiles are counted)."""
+    single_outputs, single_records = _run_case(*RING_CASES[case])
+    skip = RING_CASES[case][1] is SKIP_ONLY
+    for rank, per_case in enumerate(ring_ranks):
+        outputs, records = per_case[case]
+        for step, (out, ref) in enumerate(zip(outputs, single_outputs)):
+            out, ref = torch.from_numpy(out), torch.from_numpy(ref)
+            if skip:
+                assert ((out - ref).abs().sum() / ref.abs().sum()).item() < 0.05, f"rank {rank}, step {step}"
+            else:
+                torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5, msg=f"rank {rank}, step {step}")
+        assert [r[:7] for r in records] == [r[:7] for r in single_records], f"rank {rank}"
+    if skip:
+        for i, single in enumerate(single_records):
+            if single[8] and single[1] == "self":  # ring splits self-attention's keys; cross runs whole
+                skipped = sum(per_case[case][1][i][7] for per_case in ring_ranks)
+                total = sum(per_case[case][1][i][8] for per_case in ring_ranks)
+                assert total == single[8] and 0 < skipped <= single[7], (skipped, single)
+
+
+@pytest.mark.parametrize("config, degrees", [
+    (dict(ulysses_degree=2), (2, 1)),
+    (dict(ulysses_degree=4), (4, 1)),
+    (dict(ring_degree=2), (1, 2)),
+    (dict(ring_degree=2, ulysses_degree=2), (2, 2)),
     (dict(ulysses_degree=2, ulysses_anything=True), None),
+    (dict(ring_degree=2, ring_anything=True), None),
 ])
-def test_which_context_parallel_calls_are_served(config, degree):
+def test_which_context_parallel_calls_are_served(config, degrees):
     from diffusers import ContextParallelConfig, ParallelConfig
 
-    from diffusers_trtllm.integration.parallel import served_ulysses_degree
+    from diffusers_trtllm.integration.parallel import served_degrees
 
-    assert served_ulysses_degree(ParallelConfig(context_parallel_config=ContextParallelConfig(**config))) == degree
-    assert served_ulysses_degree(ParallelConfig()) is None
+    assert served_degrees(ParallelConfig(context_parallel_config=ContextParallelConfig(**config))) == degrees
+    assert served_degrees(ParallelConfig()) is None
 
 
 def test_cp_benchmark_runs_on_gloo(tmp_path):

@@ -13,11 +13,12 @@ functions the processor reaches for are rebound in its module:
 The rebound functions take ``*args, **kwargs`` and hand them unchanged to Diffusers'
 or torch's own function unless this thread is running one of our layers and the
 call is one we serve (no dropout, not causal, no autograd, no argument we do not know,
-context parallelism only as Ulysses: :mod:`.parallel`). So a stock model, in any thread, is never routed, and
+context parallelism as Ulysses, ring or both with even splits, ring without a mask: :mod:`.parallel`). So a stock model, in any thread, is never routed, and
 a new Diffusers argument passes through. Everything rebound is recorded and
 :func:`restore_globals` puts it back.
 
-Served calls go through one ``torch.library.custom_op`` that finds its layer by a
+Served calls go through one ``torch.library.custom_op`` (a second one, returning the log-sum-exp
+too, for ring attention's KV shards) that finds its layer by a
 small per-layer tensor (``LayerState.key``), not by a Python int: ``torch.compile``
 then sees one opaque op, no graph break, and no guard on which layer it is (layers
 configured alike share one compiled graph). See docs/design.md.
@@ -36,7 +37,7 @@ import torch
 import torch.nn.functional as torch_F
 
 from .._logging import info_once
-from .parallel import served_ulysses_degree, ulysses_attention
+from .parallel import Degrees, context_parallel_attention, served_degrees
 
 __all__ = [
     "register_layer", "unregister_layer", "live_layers", "call_stock", "ensure_routing", "restore_globals",
@@ -74,7 +75,17 @@ def live_layers() -> int:
     return len(_LAYERS)
 
 
-# ---- the custom op -------------------------------------------------------------------------
+# ---- the custom ops ------------------------------------------------------------------------
+def _layer(layer_key: torch.Tensor) -> Any:
+    state = _LAYERS.get(int(layer_key))
+    if state is None:
+        raise RuntimeError(
+            f"diffusers_trtllm: attention layer {int(layer_key)} is gone (its module was freed or uninstalled); "
+            "reinstall the processor with diffusers_trtllm.install(model, proc)."
+        )
+    return state
+
+
 @torch.library.custom_op("diffusers_trtllm::attention", mutates_args=())
 def _attention_op(
     query: torch.Tensor,
@@ -94,19 +105,37 @@ def _attention_op(
     ``hidden_len`` / ``encoder_len``: token counts of the processor's inputs (-1: absent), from
     which the layer learns its role; ``via_sdpa``: the call came through ``F`` (its stock path).
     """
-    state = _LAYERS.get(int(layer_key))
-    if state is None:
-        raise RuntimeError(
-            f"diffusers_trtllm: attention layer {int(layer_key)} is gone (its module was freed or uninstalled); "
-            "reinstall the processor with diffusers_trtllm.install(model, proc)."
-        )
-    return state.serve(query, key, value, attn_mask, mask_source, timestep, scale, hidden_len, encoder_len, via_sdpa)
+    return _layer(layer_key).serve(query, key, value, attn_mask, mask_source, timestep, scale, hidden_len,
+                                   encoder_len, via_sdpa)
 
 
 @_attention_op.register_fake
 def _attention_fake(query, key, value, attn_mask, mask_source, timestep, layer_key, scale, hidden_len, encoder_len,
                     via_sdpa):
     return query.new_empty(*query.shape[:-1], value.shape[-1])
+
+
+@torch.library.custom_op("diffusers_trtllm::attention_kv_shard", mutates_args=())
+def _kv_shard_op(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    timestep: Optional[torch.Tensor],
+    layer_key: torch.Tensor,
+    scale: Optional[float],
+    hidden_len: int,
+    encoder_len: int,
+    kv_shards: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ring attention over one of ``kv_shards`` KV shards: ``[B, S, H, D]`` output and ``[B, S, H]`` float32
+    log-sum-exp (unmasked; arguments as ``diffusers_trtllm::attention``'s)."""
+    return _layer(layer_key).serve_kv_shard(query, key, value, timestep, scale, hidden_len, encoder_len, kv_shards)
+
+
+@_kv_shard_op.register_fake
+def _kv_shard_fake(query, key, value, timestep, layer_key, scale, hidden_len, encoder_len, kv_shards):
+    return (query.new_empty(*query.shape[:-1], value.shape[-1]),
+            query.new_empty(query.shape[:-1], dtype=torch.float32))
 
 
 # ---- the call in flight (this thread only) ------------------------------------------------
@@ -160,28 +189,38 @@ _CALL_MASK = object()
 
 
 def _route(state: Any, query, key, value, attn_mask, scale, via_sdpa: bool, shards: int = 1,
-           mask_source: Any = _CALL_MASK) -> torch.Tensor:
-    """Our op for this thread's call; ``shards``: the processor saw 1/shards of the sequence (Ulysses)."""
+           mask_source: Any = _CALL_MASK, kv_shards: int = 0):
+    """Our op for this thread's call; ``shards``: the processor saw 1/shards of the queries' sequence
+    (Ulysses); ``kv_shards > 0``: a ring KV shard (one of that many), returning ``(out, lse)``."""
     tracker = state.tracker
+    timestep = tracker.tensor if tracker is not None else None
 
     def tokens(n: int) -> int:
         return n * shards if n >= 0 else n
 
+    if kv_shards:
+        return torch.ops.diffusers_trtllm.attention_kv_shard(
+            query, key, value, timestep, state.key, scale, tokens(_CALL.hidden_len), tokens(_CALL.encoder_len),
+            kv_shards)
     return torch.ops.diffusers_trtllm.attention(
         query, key, value, attn_mask, _CALL.mask_source if mask_source is _CALL_MASK else mask_source,
-        tracker.tensor if tracker is not None else None, state.key, scale, tokens(_CALL.hidden_len),
-        tokens(_CALL.encoder_len), via_sdpa,
+        timestep, state.key, scale, tokens(_CALL.hidden_len), tokens(_CALL.encoder_len), via_sdpa,
     )
 
 
-def _route_ulysses(state: Any, query, key, value, attn_mask, scale, parallel_config: Any, degree: int) -> torch.Tensor:
-    """Diffusers' Ulysses exchange around our op: each rank serves the whole sequence of its heads."""
+def _route_parallel(state: Any, query, key, value, attn_mask, scale, parallel_config: Any,
+                    degrees: Degrees) -> torch.Tensor:
+    """Diffusers' context-parallel exchanges around our op: each rank serves the whole sequence of its heads
+    (Ulysses), or its queries against one KV shard at a time (ring), or both."""
 
-    def run(q, k, v, mask):
+    def run(q, k, v, mask, return_lse):
+        if return_lse:  # a ring shard (unmasked: see _servable_arguments)
+            return _route(state, q, k, v, None, scale, False, degrees.ulysses, kv_shards=degrees.ring)
         # A mask over local keys arrives all-gathered: a new tensor, so the layout is keyed on it, not on the source.
-        return _route(state, q, k, v, mask, scale, False, degree, mask_source=_CALL_MASK if mask is attn_mask else None)
+        return _route(state, q, k, v, mask, scale, False, degrees.ulysses,
+                      mask_source=_CALL_MASK if mask is attn_mask else None)
 
-    return ulysses_attention(run, query, key, value, attn_mask, scale, parallel_config)
+    return context_parallel_attention(run, query, key, value, attn_mask, scale, parallel_config)
 
 
 # ---- argument handling, derived from the installed functions -----------------------------
@@ -200,8 +239,8 @@ def _positional_names(fn: Callable) -> tuple[str, ...]:
 
 def _servable_arguments(names: tuple[str, ...], args: tuple, kwargs: dict, query: torch.Tensor,
                         key: torch.Tensor) -> Optional[dict]:
-    """``{"attn_mask", "scale", "parallel_config", "ulysses"}`` if we serve this call, else None (it then runs
-    stock, unchanged); ``ulysses``: the Ulysses degree of a context-parallel call (0: none)."""
+    """``{"attn_mask", "scale", "parallel_config", "degrees"}`` if we serve this call, else None (it then runs
+    stock, unchanged); ``degrees``: the Ulysses and ring degrees of a context-parallel call (None: none)."""
     if torch.is_grad_enabled() and query.requires_grad:
         return None
     if len(args) > len(names):
@@ -221,16 +260,22 @@ def _servable_arguments(names: tuple[str, ...], args: tuple, kwargs: dict, query
                       name, value)
             return None
     parallel_config = given.get("parallel_config")
-    ulysses = 0
+    degrees = None
     if parallel_config is not None:
-        ulysses = served_ulysses_degree(parallel_config) or 0
-        if not ulysses or key.shape[2] != query.shape[2]:  # ring, uneven splits, GQA: Diffusers' own path
+        degrees = served_degrees(parallel_config)
+        if degrees is None or key.shape[2] != query.shape[2]:  # uneven splits, GQA: Diffusers' own path
             info_once(("context-parallel-stock",),
-                      "diffusers_trtllm: context parallelism other than plain Ulysses (ring, ulysses_anything, GQA) "
-                      "runs Diffusers' own attention; ContextParallelConfig(ulysses_degree=n) is served.")
+                      "diffusers_trtllm: context parallelism with uneven splits (ulysses_anything, ring_anything) "
+                      "or grouped-query attention runs Diffusers' own attention; ContextParallelConfig("
+                      "ulysses_degree=..., ring_degree=...) is served.")
+            return None
+        if degrees.ring > 1 and mask is not None:  # Diffusers hands every KV shard the same mask
+            info_once(("ring-mask-stock",),
+                      "diffusers_trtllm: a masked attention call under ring attention runs Diffusers' own "
+                      "attention (every KV shard gets the same mask); unmasked calls and Ulysses are served.")
             return None
     return {"attn_mask": given.get("attn_mask"), "scale": given.get("scale"), "parallel_config": parallel_config,
-            "ulysses": ulysses}
+            "degrees": degrees}
 
 
 def _routed_dispatch(original: Callable) -> Callable:
@@ -240,9 +285,12 @@ def _routed_dispatch(original: Callable) -> Callable:
         state = getattr(_CALL, "layer", None)
         if state is not None:
             served = _servable_arguments(names, args, kwargs, query, key)
-            if served is not None and served["ulysses"]:
-                return _route_ulysses(state, query, key, value, served["attn_mask"], served["scale"],
-                                      served["parallel_config"], served["ulysses"])
+            if served is not None and served["degrees"] is not None and served["degrees"].ring > 1 \
+                    and state.settings().mode == "stock":
+                served = None  # a ring shard needs our op's log-sum-exp: a stock role keeps Diffusers' ring
+            if served is not None and served["degrees"] is not None:
+                return _route_parallel(state, query, key, value, served["attn_mask"], served["scale"],
+                                       served["parallel_config"], served["degrees"])
             if served is not None:
                 return _route(state, query, key, value, served["attn_mask"], served["scale"], False)
         return original(query, key, value, *args, **kwargs)
