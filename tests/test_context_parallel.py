@@ -62,7 +62,7 @@ def _records(proc) -> list[tuple]:
 
 
 def _run_case(family, settings, install_first, divisor, timesteps, parallel=None):
-    """Outputs of two forwards (one per timestep) and the per-layer records, in this process."""
+    """Outputs of two forwards (one per timestep), the per-layer records and the step table, in this process."""
     model, inputs = _build(family)
     proc = TrtllmAttnProcessor(**settings)
     if parallel is not None and not install_first:
@@ -76,7 +76,7 @@ def _run_case(family, settings, install_first, divisor, timesteps, parallel=None
         inputs["timestep"] = torch.full_like(inputs["timestep"], raw, dtype=torch.float32)
         with torch.no_grad():
             outputs.append(model(**inputs)[0].numpy().copy())  # numpy: sent by value between processes
-    return outputs, _records(proc)
+    return outputs, _records(proc), proc.format_step_table()
 
 
 def _ulysses_cases() -> list:
@@ -177,9 +177,10 @@ def ranks():
 @pytest.mark.parametrize("case", range(len(CASES)), ids=[f"{c[0]}-{'sparse' if c[1] is SPARSE else 'dense'}-"
                                                         f"{'install_first' if c[2] else 'enable_first'}" for c in CASES])
 def test_ulysses_equals_one_process(ranks, case):
-    single_outputs, single_records = _run_case(*CASES[case])
+    single_outputs, single_records, _ = _run_case(*CASES[case])
     for rank, per_case in enumerate(ranks):
-        outputs, records = per_case[case]
+        outputs, records, table = per_case[case]
+        assert table.splitlines()[0].startswith(f"statistics of rank {rank} of {WORLD} only"), table
         for step, (out, ref) in enumerate(zip(outputs, single_outputs)):
             out, ref = torch.from_numpy(out), torch.from_numpy(ref)
             torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5, msg=f"rank {rank}, step {step}")
@@ -209,10 +210,11 @@ def ring_ranks():
 def test_ring_equals_one_process(ring_ranks, case):
     """Ring degree 2: every rank's output is one process's (dense: up to float order; skip: close, the
     per-shard rule skips a subset of one process's tiles, and each shard's tiles are counted)."""
-    single_outputs, single_records = _run_case(*RING_CASES[case])
+    single_outputs, single_records, _ = _run_case(*RING_CASES[case])
     skip = RING_CASES[case][1] is SKIP_ONLY
     for rank, per_case in enumerate(ring_ranks):
-        outputs, records = per_case[case]
+        outputs, records, table = per_case[case]
+        assert table.splitlines()[0].startswith(f"statistics of rank {rank} of {WORLD} only"), table
         for step, (out, ref) in enumerate(zip(outputs, single_outputs)):
             out, ref = torch.from_numpy(out), torch.from_numpy(ref)
             if skip:

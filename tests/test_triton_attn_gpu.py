@@ -88,6 +88,27 @@ def test_sage_quantization_matches_reference(dtype_qk, blocks):
             assert rel.numel() == 0 or rel.max() <= 0.126, f"{name}: a value moved by more than one step"
 
 
+@pytest.mark.parametrize("dtype_qk", [None, "int8", "fp8_e4m3"])
+@pytest.mark.parametrize("skip", [None, 0.02])
+def test_lse_matches_reference(dtype_qk, skip):
+    """The log-sum-exp ring attention merges by: ``[tokens, heads]`` float32, natural log, per row.
+
+    Dense and skip runs use the dense tiles (128 x 128) so borderline skip decisions match the reference's;
+    rows of a tile whose decision flipped are left out of the comparison."""
+    from diffusers_trtllm.kernels.triton_attn import KernelConfig, triton_attention
+
+    q, k, v, layout = _inputs(128, kv_heads=4)
+    quant = QuantConfig(dtype_qk, 1, 16) if dtype_qk else None
+    factor = None if skip is None else skip * layout.max_seqlen_kv
+    res = triton_attention(q, k, v, layout, softmax_scale=128**-0.5, skip_factor=factor, quant=quant,
+                           collect_stats=True, return_lse=True, config=KernelConfig(block_m=128, block_n=128))
+    ref = _reference(q, k, v, layout, skip_factor=factor, quant=quant, tile_q=128, tile_kv=128)
+    assert res.lse.shape == ref.lse.shape == (q.shape[0], q.shape[1]) and res.lse.dtype == torch.float32
+    err = (res.lse - ref.lse).abs()
+    assert torch.quantile(err.flatten(), 0.999) < 2e-2 and err.median() < 2e-3, (err.max(), err.median())
+    assert res.out.shape == q.shape and (skip is None or res.skipped_tiles > 0)
+
+
 @pytest.mark.parametrize("dtype_qk", ["int8", "fp8_e4m3"])
 @pytest.mark.parametrize("skip", [None, 0.02])
 @pytest.mark.parametrize("dim", [64, 128])

@@ -1,8 +1,13 @@
-"""Context-parallel benchmark: one transformer forward over several GPUs (Diffusers' Ulysses), stock against ours.
+"""Context-parallel benchmark: one transformer forward over several GPUs (Diffusers' Ulysses or ring),
+stock against ours.
 
 One process per GPU, launched by torchrun (every rank builds the same seeded model and inputs)::
 
     torchrun --nproc-per-node 2 -m diffusers_trtllm.bench cp --model wan2.1-t2v-14b --latent 16,21,90,160
+
+``--ring R`` splits the GPUs as ring degree R times Ulysses degree N/R (``--ring 2`` on two GPUs:
+ring alone). Under ring, stock runs Diffusers' cuDNN backend (``_native_cudnn``: its default
+``native`` returns no log-sum-exp), so stock ring needs CUDA.
 
 With ``--nproc-per-node 1`` the same forward runs on one GPU without parallelism (the single-GPU
 figures to compare against). Per setting (``stock`` first: Diffusers' own context-parallel
@@ -64,8 +69,13 @@ def run_cp(args: argparse.Namespace) -> dict[str, Any]:
     model = build_model(spec, device=device, dtype=dtype, seed=args.seed, variant=args.variant)
     inputs = model_inputs(spec, model, t=args.t, device=device, dtype=dtype, seed=args.seed,
                           tiny=args.variant == "tiny", latent=args.latent)
+    if world % args.ring:
+        raise ValueError(f"--ring {args.ring} does not divide the {world} processes; pass a divisor of the GPU count.")
+    ulysses = world // args.ring
+    if args.ring > 1:  # Diffusers' default backend (native SDPA) refuses ring's return_lse
+        model.set_attention_backend("_native_cudnn")
     if world > 1:
-        model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world))
+        model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=ulysses, ring_degree=args.ring))
 
     def forward() -> torch.Tensor:
         with torch.no_grad(), _sdpa_context(args.stock_sdpa, device):
@@ -101,7 +111,8 @@ def run_cp(args: argparse.Namespace) -> dict[str, Any]:
             if proc is not None:
                 uninstall(model)
     return {"model": f"{type(model).__name__} ({args.model}, {args.variant})", "latent": list(inputs["hidden_states"].shape[1:]),
-            "tokens": _tokens(model, inputs), "ulysses_degree": world, "weights": args.weights,
+            "tokens": _tokens(model, inputs), "ulysses_degree": ulysses, "ring_degree": args.ring,
+            "weights": args.weights,
             "threshold": args.threshold, "t": args.t, "rows": rows}
 
 
@@ -126,6 +137,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD)
     p.add_argument("--t", type=float, default=0.5)
     p.add_argument("--backend", default="auto")
+    p.add_argument("--ring", type=int, default=1,
+                   help="ring degree (divides the process count; the rest is Ulysses); stock then runs cuDNN")
     p.add_argument("--stock-sdpa", default="cudnn", choices=["cudnn", "default"])
     p.add_argument("--variant", default="full", choices=["full", "tiny", "probe"])
     p.add_argument("--warmup", type=int, default=1)

@@ -233,12 +233,15 @@ def write_plot(path: Path, results: list[ShapeResult]) -> bool:
 def format_cp_markdown(data: dict[str, Any]) -> str:
     """The context-parallel benchmark's ``NAME.json`` as a Markdown table (``bench cp`` writes both)."""
     latent = "x".join(map(str, data["latent"]))
-    lines = _header(f"Context parallelism: one forward over {data['ulysses_degree']} GPU(s) (Ulysses)", data["environment"])
+    ulysses, ring = data["ulysses_degree"], data.get("ring_degree", 1)
+    split = " x ".join(f"{name} {n}" for name, n in (("Ulysses", ulysses), ("ring", ring)) if n > 1) or "one GPU"
+    lines = _header(f"Context parallelism: one forward over {ulysses * ring} GPU(s) ({split})", data["environment"])
     lines += [
         f"{data['model']}, latent {latent} ({data['tokens']:,} tokens), {data['weights']} weights, "
         f"skip threshold {data['threshold']}, t = {data['t']}. `vs stock`: Diffusers' own attention "
         "(cuDNN SDPA; under Ulysses its context-parallel attention) time / this time, same run; rel-L1: "
-        "output against stock's; `skipped`: the triton route's skipped-tile fraction on rank 0's heads.",
+        "output against stock's; `skipped`: the skipped-tile fraction of rank 0's calls (its heads; under "
+        "ring, its queries over every KV shard, each shard's running max local to it).",
         "",
         "| setting | ms | vs stock | rel-L1 | skipped | routes | policy |",
         "|---|---:|---:|---:|---:|---|---|",
