@@ -53,6 +53,18 @@ def test_sage_needs_a_long_kv_on_sm90_only(on_gpu):
     assert blackwell.call.quant == INT8 and blackwell.call.skip_factor is None
 
 
+def test_ring_shards_keep_skip_and_sage_on_sm90(on_gpu):
+    """A call returning its log-sum-exp (ring) has no fa3 / FMHAv2 to compare with: only the short-KV rule holds."""
+    from dataclasses import replace
+
+    ring = policy_mod.apply_policy(replace(_call(32760), return_lse=True, kv_shards=2))
+    assert ring.call.quant == INT8 and ring.call.skip_factor == 1.0 and ring.note is None
+    alone = policy_mod.apply_policy(replace(_call(32760, quant=None), return_lse=True, kv_shards=2))
+    assert alone.call.skip_factor == 1.0
+    short = policy_mod.apply_policy(replace(_call(512), return_lse=True, kv_shards=2))
+    assert short.call.skip_factor is None and "512 keys" in short.note
+
+
 def test_always_and_cpu_honour_the_request(on_gpu):
     call = _call(512)
     assert policy_mod.apply_policy(call, "always").call is call

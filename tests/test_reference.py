@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from conftest import cosine, rel_l1
 from diffusers_trtllm import QuantConfig, SkipSoftmaxConfig, run_attention
+from diffusers_trtllm.bench.ring_skip import ring_reference
 from diffusers_trtllm.kernels.reference import block_ids, reference_attention, sage_quantize
 
 
@@ -206,32 +207,6 @@ def test_skip_softmax_through_run_attention_reports_stats():
     assert result.route == "reference" and result.skipped_fraction > 0
 
 
-def _merge_ring(parts):
-    """Diffusers' ring merge (``TemplatedRingAttention``) of per-KV-shard ``(out, lse)``."""
-    out = lse = None
-    for o, l in parts:
-        l = l[..., None]
-        if out is None:
-            out, lse = o, l
-            continue
-        out = out - torch.sigmoid(l - lse) * (out - o)
-        lse = lse - F.logsigmoid(lse - l)
-    return out, lse[..., 0]
-
-
-def _shards(q, k, v, n, **kwargs):
-    """The reference over ``n`` KV shards of one sequence: ``[(out, lse)]``, skipped and total tiles."""
-    lq, shard = q.shape[0], k.shape[0] // n
-    cu_q, cu_s = torch.tensor([0, lq], dtype=torch.int32), torch.tensor([0, shard], dtype=torch.int32)
-    parts, skipped, total = [], 0, 0
-    for i in range(n):
-        part = slice(i * shard, (i + 1) * shard)
-        res = reference_attention(q, k[part], v[part], cu_q, cu_s, (lq,), (shard,), **kwargs)
-        parts.append((res.out, res.lse))
-        skipped, total = skipped + res.skipped_tiles, total + res.total_tiles
-    return parts, skipped, total
-
-
 def test_lse_is_the_logsumexp_and_kv_shards_merge_like_ring():
     q, k, v, cu_q, cu_kv = _packed((200, 70), (300, 90))
     scale = 0.125
@@ -240,10 +215,9 @@ def test_lse_is_the_logsumexp_and_kv_shards_merge_like_ring():
     torch.testing.assert_close(res.lse[:200], torch.logsumexp(scores, -1).t(), rtol=1e-5, atol=1e-5)
     # One sequence's keys in 2 shards of 150 (a shard boundary inside a tile), merged as Diffusers' ring does.
     full = reference_attention(q[:200], k[:300], v[:300], cu_q[:2], cu_kv[:2], (200,), (300,), softmax_scale=scale)
-    parts, _, _ = _shards(q[:200], k[:300], v[:300], 2, softmax_scale=scale)
-    out, lse = _merge_ring(parts)
-    torch.testing.assert_close(out, full.out, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(lse, full.lse, rtol=1e-5, atol=1e-5)
+    ring = ring_reference(q[:200], k[:300], v[:300], 2, softmax_scale=scale)
+    torch.testing.assert_close(ring.out, full.out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ring.lse, full.lse, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("shards", [2, 4])
@@ -261,9 +235,7 @@ def test_skip_with_a_shard_local_running_max_skips_a_subset(shards):
     dense = reference_attention(q, k, v, cu, cu, (2048,), (2048,), softmax_scale=0.125).out
     one = reference_attention(q, k, v, cu, cu, (2048,), (2048,), softmax_scale=0.125, skip_factor=threshold * 2048,
                               **tiles)
-    parts, skipped, total = _shards(q, k, v, shards, softmax_scale=0.125, skip_factor=threshold * (2048 // shards),
-                                    **tiles)
-    out, _ = _merge_ring(parts)
-    assert total == one.total_tiles
-    assert 0 < skipped < one.skipped_tiles
-    assert rel_l1(out, dense) < rel_l1(one.out, dense)
+    ring = ring_reference(q, k, v, shards, softmax_scale=0.125, threshold=threshold, **tiles)
+    assert ring.total_tiles == one.total_tiles
+    assert 0 < ring.skipped_tiles < one.skipped_tiles
+    assert rel_l1(ring.out, dense) < rel_l1(one.out, dense)
