@@ -97,13 +97,13 @@ RING_CASES = (
 )
 
 
-def _ring_cases() -> list:
+def _ring_cases(ulysses: int = 1, cases: tuple = RING_CASES) -> list:
     from diffusers import ContextParallelConfig
 
     def parallel():
-        return ContextParallelConfig(ring_degree=WORLD)
+        return ContextParallelConfig(ring_degree=WORLD, ulysses_degree=ulysses)
 
-    return [_run_case(*case, parallel=parallel) for case in RING_CASES]
+    return [_run_case(*case, parallel=parallel) for case in cases]
 
 
 def _bench_cp(out: str) -> dict:
@@ -115,14 +115,14 @@ def _bench_cp(out: str) -> dict:
     return json.loads((Path(out) / "cp.json").read_text()) if rank == 0 else {}
 
 
-def _worker(rank: int, port: int, results, job, args) -> None:
-    """One gloo rank (torchrun's environment variables) running ``job(*args)``."""
+def _worker(rank: int, world: int, port: int, results, job, args) -> None:
+    """One gloo rank of ``world`` (torchrun's environment variables) running ``job(*args)``."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(WORLD))
+                      WORLD_SIZE=str(world))
     dist.init_process_group("gloo")
     try:
         try:  # Ulysses needs all_to_all_single; some gloo builds lack it
-            probe = torch.arange(WORLD, dtype=torch.float32)
+            probe = torch.arange(world, dtype=torch.float32)
             dist.all_to_all_single(torch.empty_like(probe), probe)
         except (RuntimeError, NotImplementedError) as err:
             results.put((rank, "skip", f"gloo lacks all_to_all_single: {err}"))
@@ -143,14 +143,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _on_ranks(job, *args) -> list:
-    """``job(*args)``'s result on each of ``WORLD`` gloo processes (skips if gloo cannot run Ulysses)."""
+def _on_ranks(job, *args, world: int = WORLD) -> list:
+    """``job(*args)``'s result on each of ``world`` gloo processes (skips if gloo cannot run Ulysses)."""
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(rank, port, results, job, args)) for rank in range(WORLD)]
+    procs = [ctx.Process(target=_worker, args=(rank, world, port, results, job, args)) for rank in range(world)]
     for p in procs:
         p.start()
     try:
@@ -166,7 +166,7 @@ def _on_ranks(job, *args) -> list:
         if status == "skip":
             pytest.skip(payload)
         assert status == "ok", payload
-    return [got[rank][1] for rank in range(WORLD)]
+    return [got[rank][1] for rank in range(world)]
 
 
 @pytest.fixture(scope="module")
@@ -228,6 +228,19 @@ def test_ring_equals_one_process(ring_ranks, case):
                 skipped = sum(per_case[case][1][i][7] for per_case in ring_ranks)
                 total = sum(per_case[case][1][i][8] for per_case in ring_ranks)
                 assert total == single[8] and 0 < skipped <= single[7], (skipped, single)
+
+
+def test_ulysses_by_ring_equals_one_process():
+    """Ulysses 2 x ring 2 on 4 gloo processes (tiny Wan, dense reference): Diffusers' unified path around our op."""
+    case = RING_CASES[0]
+    single_outputs, single_records, _ = _run_case(*case)
+    for rank, (per_case,) in enumerate(_on_ranks(_ring_cases, 2, (case,), world=4)):
+        outputs, records, table = per_case
+        for step, (out, ref) in enumerate(zip(outputs, single_outputs)):
+            torch.testing.assert_close(torch.from_numpy(out), torch.from_numpy(ref), rtol=1e-5, atol=1e-5,
+                                       msg=f"rank {rank}, step {step}")
+        assert [r[:7] for r in records] == [r[:7] for r in single_records], f"rank {rank}"
+        assert table.splitlines()[0].startswith(f"statistics of rank {rank} of 4 only"), table
 
 
 @pytest.mark.parametrize("config, degrees", [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import types
 
 import pytest
@@ -141,3 +142,44 @@ def test_announce_jit_warns_once(monkeypatch, caplog):
         _flashinfer.announce_jit("some_module_for_test")
     messages = [r.getMessage() for r in caplog.records if "some_module_for_test" in r.getMessage()]
     assert len(messages) == 1 and "about 80 s, once" in messages[0]
+
+
+def test_fa3_returns_flashinfer_lse_in_natural_log(monkeypatch):
+    """FlashInfer's contract, faked on the CPU: ``return_lse=True`` gives ``(out, lse)`` with ``lse``
+    ``[tokens, heads]`` in log2 units; the route hands ring attention the natural log (the reference's)."""
+    from diffusers_trtllm.kernels.reference import reference_attention
+
+    def attend(q, k, v, layout, scale, return_lse):
+        res = reference_attention(q, k, v, layout.cu_seqlens_q, layout.cu_seqlens_kv, layout.q_lens, layout.kv_lens,
+                                  softmax_scale=scale)
+        return (res.out, res.lse / math.log(2.0)) if return_lse else res.out
+
+    gen = torch.Generator().manual_seed(0)
+    for layout in (PackedLayout.dense(1, 40, 50, "cpu"), PackedLayout.dense(2, 40, 50, "cpu")):
+        q = torch.randn(layout.total_q, 2, 64, generator=gen)
+        k, v = torch.randn(2, layout.total_kv, 2, 64, generator=gen)
+
+        def single(q, k, v, *, causal, kv_layout, sm_scale, backend, return_lse=False):
+            assert (causal, kv_layout, backend) == (False, "NHD", "fa3")
+            return attend(q, k, v, layout, sm_scale, return_lse)
+
+        class Ragged:
+            def run(self, q, k, v, return_lse=False):
+                return attend(q, k, v, layout, 0.125, return_lse)
+
+        monkeypatch.setattr(_flashinfer, "flashinfer_or_none", lambda: types.SimpleNamespace(
+            single_prefill_with_kv_cache=single))
+        monkeypatch.setattr(_flashinfer, "announce_jit", lambda *a, **kw: None)
+        monkeypatch.setattr(fa3, "module_uri", lambda call: "fa3_module")
+        monkeypatch.setattr(fa3, "_ragged_wrapper", lambda call: Ragged())
+        route = get_route("fa3")
+        for return_lse in (False, True):
+            call = AttentionCall(q, k, v, layout, 0.125, return_lse=return_lse)
+            result = route.run(call)
+            expected = reference_attention(q, k, v, layout.cu_seqlens_q, layout.cu_seqlens_kv, layout.q_lens,
+                                           layout.kv_lens, softmax_scale=0.125)
+            torch.testing.assert_close(result.out, expected.out)
+            if return_lse:
+                torch.testing.assert_close(result.lse, expected.lse, rtol=1e-5, atol=1e-5)
+            else:
+                assert result.lse is None

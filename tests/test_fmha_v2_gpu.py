@@ -132,3 +132,20 @@ def test_skip_error_grows_with_the_reference(repeat):
         # bf16 rounding (~4e-3) on top of the reference's own skipping error, within a factor 2
         assert ker_err <= 2.0 * ref_err + 6e-3
         assert ker_err >= 0.5 * ref_err - 6e-3
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_fa3_lse_matches_reference(batch):
+    """Ring attention's log-sum-exp from fa3 (FlashInfer's log2 LSE scaled to the natural log): one sequence
+    (single prefill) and a ragged batch (the wrapper), against the reference's."""
+    _hopper_route("fa3")
+    q, k, v, layout = _ragged_inputs(queries="fewer")
+    if batch == 1:
+        q, k, v, layout = q[:1], k[:1], v[:1], PackedLayout.dense(1, q.shape[1], k.shape[1], "cuda")
+    out, result = run_attention(q, k, v, layout=layout, backend="fa3", return_lse=True)
+    assert result.route == "fa3" and result.lse.shape == q.shape[:3] and result.lse.dtype == torch.float32
+    ref = reference_attention(layout.pack_q(q).float(), layout.pack_kv(k).float(), layout.pack_kv(v).float(),
+                              layout.cu_seqlens_q, layout.cu_seqlens_kv, layout.q_lens, layout.kv_lens,
+                              softmax_scale=q.shape[-1] ** -0.5)
+    lse = layout.pack_q(result.lse[..., None])[..., 0]
+    assert (lse - ref.lse).abs().max() < 2e-2, (lse - ref.lse).abs().max()

@@ -53,16 +53,18 @@ def test_sage_needs_a_long_kv_on_sm90_only(on_gpu):
     assert blackwell.call.quant == INT8 and blackwell.call.skip_factor is None
 
 
-def test_ring_shards_keep_skip_and_sage_on_sm90(on_gpu):
-    """A call returning its log-sum-exp (ring) has no fa3 / FMHAv2 to compare with: only the short-KV rule holds."""
+def test_ring_shards_divide_the_promised_sparsity_on_sm90(on_gpu):
+    """A ring shard skips about 1/r of one process's tiles: skip alone needs target_sparsity / r >= 35%."""
     from dataclasses import replace
 
-    ring = policy_mod.apply_policy(replace(_call(32760), return_lse=True, kv_shards=2))
-    assert ring.call.quant == INT8 and ring.call.skip_factor == 1.0 and ring.note is None
-    alone = policy_mod.apply_policy(replace(_call(32760, quant=None), return_lse=True, kv_shards=2))
-    assert alone.call.skip_factor == 1.0
-    short = policy_mod.apply_policy(replace(_call(512), return_lse=True, kv_shards=2))
-    assert short.call.skip_factor is None and "512 keys" in short.note
+    alone = replace(_call(32760, quant=None), return_lse=True, kv_shards=2)
+    assert policy_mod.apply_policy(alone, target_sparsity=0.8).call.skip_factor == 1.0  # 40% per shard
+    dropped = policy_mod.apply_policy(alone, target_sparsity=0.6)  # 30% per shard
+    assert dropped.call.skip_factor is None and "about 30% on each of 2 KV shards" in dropped.note
+    assert policy_mod.apply_policy(replace(alone, kv_shards=1), target_sparsity=0.6).call.skip_factor == 1.0
+    # SAGE's rules are per call (the shard's keys), as on one process; skip stays with SAGE.
+    ring = policy_mod.apply_policy(replace(_call(75600), return_lse=True, kv_shards=2))
+    assert ring.call.quant == INT8 and ring.call.skip_factor == 1.0
 
 
 def test_always_and_cpu_honour_the_request(on_gpu):

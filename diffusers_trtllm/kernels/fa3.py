@@ -5,6 +5,10 @@ sequence goes to ``single_prefill_with_kv_cache`` (no planning); a ragged batch
 to ``BatchPrefillWithRaggedKVCacheWrapper``, planned once per layout from the
 host-side lengths (no device sync) and kept for the next layers of the same forward.
 Each head dim and dtype is its own JIT module (about 90 s to build, once).
+
+On request (ring attention) both return each row's log-sum-exp (``return_lse=True``):
+FlashInfer's is in log2 units (vLLM merges it with ``is_lse_base_on_e=False``), so it is
+scaled by ``ln 2`` to the natural log ring attention merges by.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from itertools import accumulate
 from typing import Any
+
+import math
 
 import torch
 
@@ -73,7 +79,7 @@ def _ragged_wrapper(call: AttentionCall) -> Any:
 
 class Fa3Route(MeasuredDenseOrder, Route):
     name = "fa3"
-    caps = Capabilities(sms=frozenset({90}), head_dims=frozenset({64, 128, 256}))
+    caps = Capabilities(sms=frozenset({90}), head_dims=frozenset({64, 128, 256}), lse=True)
 
     def extra_reasons(self, call: AttentionCall) -> list[str]:
         missing = _flashinfer.flashinfer_missing_reason()
@@ -87,14 +93,18 @@ class Fa3Route(MeasuredDenseOrder, Route):
     def run(self, call: AttentionCall) -> AttentionResult:
         _flashinfer.announce_jit(module_uri(call), seconds=90)
         q, k, v = call.q.contiguous(), call.k.contiguous(), call.v.contiguous()
+        lse_arg = {"return_lse": True} if call.return_lse else {}
         if call.layout.num_seqs == 1:
             fi = _flashinfer.flashinfer_or_none()
-            out = fi.single_prefill_with_kv_cache(
-                q, k, v, causal=False, kv_layout="NHD", sm_scale=call.softmax_scale, backend="fa3"
+            res = fi.single_prefill_with_kv_cache(
+                q, k, v, causal=False, kv_layout="NHD", sm_scale=call.softmax_scale, backend="fa3", **lse_arg
             )
         else:
-            out = _ragged_wrapper(call).run(q, k, v)
-        return AttentionResult(out, self.name)
+            res = _ragged_wrapper(call).run(q, k, v, **lse_arg)
+        if not call.return_lse:
+            return AttentionResult(res, self.name)
+        out, lse2 = res
+        return AttentionResult(out, self.name, lse=lse2.float() * math.log(2.0))
 
 
 register_route(Fa3Route())
