@@ -53,12 +53,12 @@ SAGE_INT8_MIN_KV_SM90 = 65536
 #: ``target_sparsity`` promises at least this much; a bare threshold says nothing of the fraction.
 SKIP_ALONE_MIN_SPARSITY_SM90 = 0.35
 
-#: Under ring attention each KV shard runs the skip rule with a running max local to the shard and
-#: skips about ``1 / ring_degree`` of what one process skips (structured inputs, reference route,
-#: ``bench.ring_skip``; docs/design.md "Context parallelism"), so the fraction a calibrated
-#: ``target_sparsity`` promises is divided by the number of KV shards (``AttentionCall.kv_shards``)
-#: before the skip-alone rule. (Under ring, dense runs on fa3 and skip-softmax on triton, the routes
-#: that return the log-sum-exp; the 35% line was measured for FMHAv2, so it is a lower bound there.)
+# Under ring attention each KV shard runs the skip rule with a running max local to the shard and
+# skips about ``1 / ring_degree`` of what one process skips (structured inputs, reference route,
+# ``bench.ring_skip``; docs/design.md "Context parallelism"), so the fraction a calibrated
+# ``target_sparsity`` promises is divided by the number of KV shards (``AttentionCall.kv_shards``)
+# before the skip-alone rule. (Under ring, dense runs on fa3 and skip-softmax on triton, the routes
+# that return the log-sum-exp; the 35% line was measured for FMHAv2, so it is a lower bound there.)
 
 
 @dataclass(frozen=True)
