@@ -260,4 +260,4 @@ def _load_builtin_routes() -> None:
 
 
 #: Route modules in default priority order (fastest specialised kernels first).
-ROUTE_MODULES = ("trtllm_gen", "fa3", "fmha_v2", "fmha_v2_fp8", "triton_attn", "sdpa", "reference")
+ROUTE_MODULES = ("trtllm_gen", "fa3", "fmha_v2", "fmha_v2_fp8", "triton_attn", "sdpa", "gluon_attn", "reference")

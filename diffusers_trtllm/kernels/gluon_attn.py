@@ -1,0 +1,468 @@
+"""``gluon`` route: an FA3-style Hopper (SM90) attention kernel written in Triton's Gluon.
+
+Same semantics as ``triton_attn`` (ragged ``[tokens, heads, dim]`` with ``cu_seqlens``,
+non-causal, GQA, head dim 64/128, log2-domain online softmax, the skip-softmax tile
+rule, SAGE int8 QK with per-block scales and fp8 ``448 * p`` times fp8 ``V^T`` with
+per-channel scales, reading ``triton_quant``'s layouts), with the schedule written out
+explicitly instead of left to Triton's pipeliner:
+
+- a 1-warp *loader* partition streams K and V tiles with TMA into a ``STAGES``-deep
+  shared-memory ring (``k_ready``/``v_ready`` mbarriers per stage; ``empty`` is
+  arrived by every consumer when it is done with a stage);
+- ``CONSUMERS`` (1 or 2) *consumer* warpgroups, each owning its own ``BLOCK_M``-row Q
+  tile: async ``warpgroup_mma`` for ``Q K^T``, the softmax / skip decision in registers,
+  then ``warpgroup_mma`` for ``P V`` with P from registers. With two consumers the
+  warp scheduler interleaves one warpgroup's softmax with the other's tensor-core
+  work (FA3's ping-pong, without explicit named-barrier ordering).
+
+The skip rule's tiles are ``BLOCK_M x BLOCK_N`` (one consumer's Q tile by one KV tile),
+so the reference with ``tile_q = BLOCK_M, tile_kv = BLOCK_N`` counts the same tiles.
+Needs Triton with ``triton.experimental.gluon`` Hopper support (3.5+; written against
+3.6) and an SM90 GPU; ``benchmarks/gluon_compile_check.py`` compiles every variant
+for sm_90 ahead of time without a GPU.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..config import QuantConfig
+from ..layout import PackedLayout
+from ..routes import AttentionCall, AttentionResult, Capabilities, Route, device_sm, register_route
+from .triton_attn import LOG2E, TritonAttentionOutput
+
+__all__ = ["GluonRoute", "GluonConfig", "gluon_attention", "gluon_missing"]
+
+
+@dataclass(frozen=True)
+class GluonConfig:
+    """Tiles (the skip rule's ``BLOCK_M x BLOCK_N``) and the schedule's knobs."""
+
+    block_m: int = 64
+    block_n: int = 128
+    stages: int = 2
+    consumers: int = 2
+    #: Registers per thread of the extra consumer warpgroup (setmaxnreg); the loader gets 24.
+    consumer_regs: int = 232
+    #: Kernel-wide register cap, from which the default partition gets what is left.
+    maxnreg: int = 168
+
+
+_TUNED: dict[str, GluonConfig] = {
+    "dense": GluonConfig(64, 128, 2, 2),
+    "int8": GluonConfig(64, 128, 3, 2),
+}
+
+
+def default_config(qk_kind: str) -> GluonConfig:
+    return _TUNED[qk_kind]
+
+
+try:  # optional: Gluon's Hopper module appeared in Triton 3.5
+    import triton
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    import triton.language as tl
+except ImportError as exc:  # pragma: no cover - depends on the installed triton
+    gluon = None
+    _GLUON_MISSING: str | None = f"needs triton with Gluon's Hopper module (pip install 'triton>=3.6'): {exc}"
+else:
+    _GLUON_MISSING = None
+
+
+def gluon_missing() -> str | None:
+    """Why Gluon kernels cannot be built here (``None`` when they can)."""
+    return _GLUON_MISSING
+
+
+if gluon is not None:
+    #: The TMA load: ``async_copy_global_to_shared`` up to Triton 3.6, ``async_load`` after (3.9 removed the old name).
+    _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+    _LOG2_P_SCALE = gl.constexpr(math.log2(448.0))
+    _NEG_INF = gl.constexpr(float("-inf"))
+
+    @gluon.jit
+    def _maximum_nan(a, b):
+        return gl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+    @gluon.jit
+    def _max_nan(x, axis: gl.constexpr):
+        """Row/column max that returns NaN where a NaN is reduced (as ``torch.amax``)."""
+        return gl.reduce(x, axis, _maximum_nan)
+
+    @gluon.jit
+    def _mul_rn(a, b):
+        """``a * b`` rounded once, never contracted into a later FMA (see ``triton_attn._rounded_product``)."""
+        return gl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=gl.float32,
+                                         is_pure=True, pack=1)
+
+    @gluon.jit
+    def _loader(desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, empty, kv_start, v_start, kv_col, n_tiles,
+                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, QUANT: gl.constexpr):
+        """TMA producer: fills stage ``j % STAGES`` with K/V tile ``j`` once every consumer released it."""
+        for j in range(n_tiles):
+            st = j % STAGES
+            ph = (j // STAGES) & 1
+            mbarrier.wait(empty.index(st), ph ^ 1)  # fresh barriers count as released
+            mbarrier.expect(k_ready.index(st), desc_k.block_type.nbytes)
+            _tma_load(desc_k, [kv_start + j * BLOCK_N, kv_col], k_ready.index(st), k_bufs.index(st))
+            mbarrier.expect(v_ready.index(st), desc_v.block_type.nbytes)
+            if QUANT == 0:
+                _tma_load(desc_v, [kv_start + j * BLOCK_N, kv_col], v_ready.index(st), v_bufs.index(st))
+            else:  # V^T: [kv_heads * dim, padded tokens], tokens contiguous
+                _tma_load(desc_v, [kv_col, v_start + j * BLOCK_N], v_ready.index(st), v_bufs.index(st))
+
+    @gluon.jit
+    def _scores(q_smem, k_buf, kv_len, start_n, k_scale_ptr, k_scale_first, s_layout: gl.constexpr,
+                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, QUANT: gl.constexpr, K_BS: gl.constexpr,
+                MASK: gl.constexpr):
+        """``Q K^T`` of one tile (before the per-row factor), masked past ``kv_len`` when ``MASK``."""
+        cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        if QUANT == 0:
+            s = warpgroup_mma(q_smem, k_buf.permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout),
+                              use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(0, deps=(s, ))
+        else:
+            si = warpgroup_mma(q_smem, k_buf.permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.int32, s_layout),
+                               use_acc=False, is_async=True)
+            si = warpgroup_mma_wait(0, deps=(si, ))
+            # |int8 dot| < 2**22: adding 1.5 * 2**23's bit pattern makes an exact float
+            s = (si + 0x4B400000).to(gl.float32, bitcast=True) - 12582912.0
+            k_scale = gl.load(k_scale_ptr + k_scale_first + cols // K_BS, mask=cols < kv_len, other=0.0)
+            s = _mul_rn(s, gl.expand_dims(k_scale, 0))
+        if MASK:
+            s = gl.where(gl.expand_dims(cols < kv_len, 0), s, _NEG_INF)
+        return s
+
+    @gluon.jit
+    def _tile(j, acc, l_i, m_i, n_skipped, q_smem, k_bufs, v_bufs, k_ready, v_ready, empty, q_row_scale, row_ok,
+              k_scale_ptr, k_scale_first, kv_len, log2_lam, s_layout: gl.constexpr, o_layout: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, QUANT: gl.constexpr,
+              K_BS: gl.constexpr, MASK: gl.constexpr, SKIP: gl.constexpr):
+        """One KV tile for one consumer: scores, skip decision, online-softmax update and ``P V``."""
+        st = j % STAGES
+        ph = (j // STAGES) & 1
+        start_n = j * BLOCK_N
+        mbarrier.wait(k_ready.index(st), ph)
+        s = _scores(q_smem, k_bufs.index(st), kv_len, start_n, k_scale_ptr, k_scale_first, s_layout,
+                    BLOCK_M, BLOCK_N, QUANT, K_BS, MASK)
+        local = _max_nan(s, 1)  # NaN rows stay NaN, so the skip rule keeps their tiles (as the reference)
+        keep = True
+        if SKIP:
+            excess = _max_nan(gl.where(row_ok, (local - m_i) * q_row_scale, _NEG_INF), 0)
+            keep = (j == 0) | (excess >= log2_lam) | (excess != excess)
+            n_skipped += 1 - keep.to(gl.int32)
+        mbarrier.wait(v_ready.index(st), ph)  # also when skipped: the stage is refilled only after its loads land
+        if keep:
+            m_new = gl.maximum(m_i, local)
+            alpha = gl.exp2((m_i - m_new) * q_row_scale)
+            if QUANT == 0:
+                p = gl.exp2((s - gl.expand_dims(m_new, 1)) * gl.expand_dims(q_row_scale, 1))
+            else:  # 448 * p, ready for the fp8 cast; l carries the same factor
+                p = gl.exp2((s - gl.expand_dims(m_new, 1)) * gl.expand_dims(q_row_scale, 1) + _LOG2_P_SCALE)
+            l_i = l_i * alpha + gl.sum(p, 1)
+            m_i = m_new
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+            if QUANT == 0:
+                p_op = gl.convert_layout(p.to(gl.bfloat16), gl.DotOperandLayout(0, o_layout, 2))
+                acc = warpgroup_mma(p_op, v_bufs.index(st), acc, is_async=True)
+            else:
+                p_op = gl.convert_layout(p.to(gl.float8e4nv), gl.DotOperandLayout(0, o_layout, 4))
+                acc = warpgroup_mma(p_op, v_bufs.index(st).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(acc, ))
+        mbarrier.arrive(empty.index(st), count=1)
+        return acc, l_i, m_i, n_skipped
+
+    @gluon.jit
+    def _consumer(desc_q, out_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, stats_ptr, q_smem, q_bar,
+                  k_bufs, v_bufs, k_ready, v_ready, empty, q_start, q_len, m0, kv_len, head, kv_head,
+                  n_q_blocks, n_k_blocks, kv_start, seq, qk_scale, skip_factor, stride_ot, stride_oh,
+                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                  QUANT: gl.constexpr, Q_BS: gl.constexpr, K_BS: gl.constexpr, SKIP: gl.constexpr,
+                  STATS: gl.constexpr):
+        """One warpgroup's Q tile (rows ``m0 .. m0 + BLOCK_M`` of the sequence) over every KV tile."""
+        K_QK: gl.constexpr = 16 if QUANT == 0 else 32
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, K_QK])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HEAD_DIM, K_QK])
+        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+        mbarrier.expect(q_bar, desc_q.block_type.nbytes)
+        _tma_load(desc_q, [q_start + m0, head * HEAD_DIM], q_bar, q_smem)
+
+        rows = m0 + gl.arange(0, BLOCK_M, layout=row_layout)
+        row_ok = rows < q_len
+        if QUANT == 0:
+            q_row_scale = gl.zeros([BLOCK_M], gl.float32, row_layout) + qk_scale
+            k_scale_first = 0
+        else:
+            q_first = head * n_q_blocks + q_start // Q_BS + seq
+            q_row_scale = gl.load(q_scale_ptr + q_first + rows // Q_BS, mask=row_ok, other=1.0) * qk_scale
+            k_scale_first = kv_head * n_k_blocks + kv_start // K_BS + seq
+        log2_lam = gl.log2(skip_factor / kv_len.to(gl.float32))  # -inf when skip_factor == 0
+        m_i = gl.full([BLOCK_M], _NEG_INF, gl.float32, row_layout)
+        l_i = gl.zeros([BLOCK_M], gl.float32, row_layout)
+        acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+        n_skipped = gl.to_tensor(0)
+        mbarrier.wait(q_bar, 0)
+
+        n_full = kv_len // BLOCK_N
+        for j in range(n_full):
+            acc, l_i, m_i, n_skipped = _tile(
+                j, acc, l_i, m_i, n_skipped, q_smem, k_bufs, v_bufs, k_ready, v_ready, empty, q_row_scale, row_ok,
+                k_scale_ptr, k_scale_first, kv_len, log2_lam, s_layout, o_layout,
+                BLOCK_M, BLOCK_N, STAGES, QUANT, K_BS, False, SKIP)
+        if n_full * BLOCK_N < kv_len:  # the ragged last tile, masked
+            acc, l_i, m_i, n_skipped = _tile(
+                n_full, acc, l_i, m_i, n_skipped, q_smem, k_bufs, v_bufs, k_ready, v_ready, empty, q_row_scale,
+                row_ok, k_scale_ptr, k_scale_first, kv_len, log2_lam, s_layout, o_layout,
+                BLOCK_M, BLOCK_N, STAGES, QUANT, K_BS, True, SKIP)
+
+        o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+        o_cols: gl.constexpr = gl.SliceLayout(0, o_layout)
+        l_o = gl.convert_layout(l_i, o_rows)
+        o = acc / gl.expand_dims(gl.where(l_o > 0.0, l_o, 1.0), 1)
+        dims = gl.arange(0, HEAD_DIM, layout=o_cols)
+        if QUANT != 0:
+            o = o * gl.expand_dims(gl.load(v_scale_ptr + kv_head * HEAD_DIM + dims), 0)
+        out_rows = m0 + gl.arange(0, BLOCK_M, layout=o_rows)
+        tok = (q_start + out_rows).to(gl.int64)
+        ptrs = out_ptr + gl.expand_dims(tok * stride_ot + head * stride_oh, 1) + gl.expand_dims(dims, 0)
+        gl.store(ptrs, o.to(out_ptr.dtype.element_ty), mask=gl.expand_dims(out_rows < q_len, 1))
+        if STATS:
+            if m0 < q_len:  # only Q tiles that exist in the sequence count
+                gl.atomic_add(stats_ptr, n_skipped)
+
+    @gluon.jit
+    def _consumer_1(desc_q, out_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, stats_ptr, q_smem, q_bar,
+                    k_bufs, v_bufs, k_ready, v_ready, empty, q_start, q_len, m0, kv_len, head, kv_head,
+                    n_q_blocks, n_k_blocks, kv_start, seq, qk_scale, skip_factor, stride_ot, stride_oh,
+                    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                    QUANT: gl.constexpr, Q_BS: gl.constexpr, K_BS: gl.constexpr, SKIP: gl.constexpr,
+                    STATS: gl.constexpr):
+        """The second consumer warpgroup: the next ``BLOCK_M`` rows, its own Q buffer and barrier."""
+        _consumer(desc_q, out_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, stats_ptr, q_smem.index(1), q_bar.index(1),
+                  k_bufs, v_bufs, k_ready, v_ready, empty, q_start, q_len, m0 + BLOCK_M, kv_len, head, kv_head,
+                  n_q_blocks, n_k_blocks, kv_start, seq, qk_scale, skip_factor, stride_ot, stride_oh,
+                  HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QUANT, Q_BS, K_BS, SKIP, STATS)
+
+    @gluon.jit
+    def _consumer_0(desc_q, out_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, stats_ptr, q_smem, q_bar,
+                    k_bufs, v_bufs, k_ready, v_ready, empty, q_start, q_len, m0, kv_len, head, kv_head,
+                    n_q_blocks, n_k_blocks, kv_start, seq, qk_scale, skip_factor, stride_ot, stride_oh,
+                    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                    QUANT: gl.constexpr, Q_BS: gl.constexpr, K_BS: gl.constexpr, SKIP: gl.constexpr,
+                    STATS: gl.constexpr):
+        """The first consumer warpgroup (the default partition)."""
+        _consumer(desc_q, out_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, stats_ptr, q_smem.index(0), q_bar.index(0),
+                  k_bufs, v_bufs, k_ready, v_ready, empty, q_start, q_len, m0, kv_len, head, kv_head,
+                  n_q_blocks, n_k_blocks, kv_start, seq, qk_scale, skip_factor, stride_ot, stride_oh,
+                  HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QUANT, Q_BS, K_BS, SKIP, STATS)
+
+    @gluon.jit
+    def _attn_fwd(
+        desc_q, desc_k, desc_v, out_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, stats_ptr,
+        cu_q_ptr, cu_kv_ptr, qk_scale, skip_factor, n_q_blocks, n_k_blocks, stride_ot, stride_oh,
+        H: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+        STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+        QUANT: gl.constexpr, Q_BS: gl.constexpr, K_BS: gl.constexpr, SKIP: gl.constexpr, STATS: gl.constexpr,
+    ):
+        cta_m0 = gl.program_id(0) * (CONSUMERS * BLOCK_M)
+        seq = gl.program_id(1) // H
+        head = gl.program_id(1) % H
+        kv_head = head // GROUP
+        q_start = gl.load(cu_q_ptr + seq)
+        q_len = gl.load(cu_q_ptr + seq + 1) - q_start
+        kv_start = gl.load(cu_kv_ptr + seq)
+        kv_len = gl.load(cu_kv_ptr + seq + 1) - kv_start
+        kv_len = gl.where(cta_m0 < q_len, kv_len, 0)  # a CTA past this sequence's queries does no work
+        n_tiles = gl.cdiv(kv_len, BLOCK_N)
+        kv_col = kv_head * HEAD_DIM
+        v_start = 16 * (kv_start // 16 + 2 * seq)  # triton_quant.vt_start
+
+        q_smem = gl.allocate_shared_memory(desc_q.dtype, [CONSUMERS] + desc_q.block_type.shape, desc_q.layout)
+        k_bufs = gl.allocate_shared_memory(desc_k.dtype, [STAGES] + desc_k.block_type.shape, desc_k.layout)
+        v_bufs = gl.allocate_shared_memory(desc_v.dtype, [STAGES] + desc_v.block_type.shape, desc_v.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(CONSUMERS):
+            mbarrier.init(q_bar.index(i), count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=CONSUMERS)
+
+        # (argument tuples are written inline: a tuple bound to a name turns its constexprs into tensors)
+        if CONSUMERS == 2:
+            gl.warp_specialize([
+                (_consumer_0, (desc_q, out_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, stats_ptr, q_smem, q_bar,
+                               k_bufs, v_bufs, k_ready, v_ready, empty, q_start, q_len, cta_m0, kv_len, head, kv_head,
+                               n_q_blocks, n_k_blocks, kv_start, seq, qk_scale, skip_factor, stride_ot, stride_oh,
+                               HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QUANT, Q_BS, K_BS, SKIP, STATS)),
+                (_consumer_1, (desc_q, out_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, stats_ptr, q_smem, q_bar,
+                               k_bufs, v_bufs, k_ready, v_ready, empty, q_start, q_len, cta_m0, kv_len, head, kv_head,
+                               n_q_blocks, n_k_blocks, kv_start, seq, qk_scale, skip_factor, stride_ot, stride_oh,
+                               HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QUANT, Q_BS, K_BS, SKIP, STATS)),
+                (_loader, (desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, empty, kv_start, v_start, kv_col, n_tiles,
+                           BLOCK_N, STAGES, QUANT)),
+            ], [4, 1], [CONSUMER_REGS, 24])
+        else:
+            gl.warp_specialize([
+                (_consumer_0, (desc_q, out_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, stats_ptr, q_smem, q_bar,
+                               k_bufs, v_bufs, k_ready, v_ready, empty, q_start, q_len, cta_m0, kv_len, head, kv_head,
+                               n_q_blocks, n_k_blocks, kv_start, seq, qk_scale, skip_factor, stride_ot, stride_oh,
+                               HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QUANT, Q_BS, K_BS, SKIP, STATS)),
+                (_loader, (desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, empty, kv_start, v_start, kv_col, n_tiles,
+                           BLOCK_N, STAGES, QUANT)),
+            ], [1], [24])
+
+
+def _desc(x: torch.Tensor, block: list[int]):
+    """Gluon TMA descriptor over a 2-D view, with the default swizzled layout for ``block``."""
+    if x.dim() == 3:
+        if x.stride(2) != 1 or x.stride(1) != x.shape[2] or (x.stride(0) * x.element_size()) % 16 or x.data_ptr() % 16:
+            x = x.contiguous()
+        x = x.view(x.shape[0], -1)
+    dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.int8: gl.int8,
+             torch.float8_e4m3fn: gl.float8e4nv}[x.dtype]
+    return TensorDescriptor.from_tensor(x, block, gl.NVMMASharedLayout.get_default_for(block, dtype))
+
+
+def gluon_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: PackedLayout,
+    *,
+    softmax_scale: float,
+    skip_factor: float | None = None,
+    quant: QuantConfig | None = None,
+    collect_stats: bool = False,
+    config: GluonConfig | None = None,
+) -> TritonAttentionOutput:
+    """Attention over packed ``[tokens, heads, dim]`` bf16 tensors with the Gluon Hopper kernel."""
+    if _GLUON_MISSING:
+        raise RuntimeError(_GLUON_MISSING)
+    tokens_q, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    if dim not in (64, 128):
+        raise ValueError(f"the gluon route supports head dim 64 or 128; got {dim}.")
+    if heads % kv_heads:
+        raise ValueError(f"query heads ({heads}) must be a multiple of KV heads ({kv_heads}).")
+    if q.dtype != torch.bfloat16:
+        raise ValueError(f"the gluon route takes bf16 Q/K/V; got {q.dtype}. Cast, or use backend='triton'.")
+    sage = quant is not None and quant.enabled
+    if sage and quant.dtype_qk != "int8":
+        raise ValueError(f"the gluon route's SAGE path is int8 QK; got dtype_qk={quant.dtype_qk!r}. Use backend='triton'.")
+    cfg = config or default_config("int8" if sage else "dense")
+    bm, bn = cfg.block_m, cfg.block_n
+    out = torch.empty(tokens_q, heads, dim, dtype=q.dtype, device=q.device)
+    if sage:
+        from . import triton_quant
+
+        st = triton_quant.sage_quantize_triton(q, k, v, layout, quant)
+        descs = (_desc(st.q, [bm, dim]), _desc(st.k, [bn, dim]), _desc(st.vt, [dim, bn]))
+        scales = (st.q_scale, st.k_scale, st.v_scale)
+        n_blocks = (st.q_scale.shape[1], st.k_scale.shape[1])
+        block_sizes = (quant.q_block_size, quant.k_block_size)
+    else:
+        descs = (_desc(q, [bm, dim]), _desc(k, [bn, dim]), _desc(v, [bn, dim]))
+        scales = (out,) * 3  # never read
+        n_blocks, block_sizes = (0, 0), (1, 1)
+    stats = torch.zeros(1, dtype=torch.int32, device=q.device) if collect_stats else out  # out: never written
+    grid = (triton.cdiv(layout.max_seqlen_q, cfg.consumers * bm), layout.num_seqs * heads)
+    _attn_fwd[grid](
+        *descs, out, *scales, stats,
+        layout.cu_seqlens_q, layout.cu_seqlens_kv, softmax_scale * LOG2E,
+        float(skip_factor or 0.0), *n_blocks, out.stride(0), out.stride(1),
+        H=heads, GROUP=heads // kv_heads, HEAD_DIM=dim, BLOCK_M=bm, BLOCK_N=bn,
+        STAGES=cfg.stages, CONSUMERS=cfg.consumers, CONSUMER_REGS=cfg.consumer_regs,
+        QUANT=1 if sage else 0, Q_BS=block_sizes[0], K_BS=block_sizes[1],
+        SKIP=skip_factor is not None, STATS=collect_stats and skip_factor is not None,
+        num_warps=4, maxnreg=cfg.maxnreg,
+    )
+    total = heads * sum(-(-lq // bm) * -(-lkv // bn) for lq, lkv in zip(layout.q_lens, layout.kv_lens) if lq and lkv)
+    skipped = int(stats.item()) if collect_stats and skip_factor is not None else (0 if collect_stats else None)
+    return TritonAttentionOutput(out, skipped, total)
+
+
+#: Variants the ahead-of-time check compiles: (QUANT, SKIP).
+VARIANTS: dict[str, tuple[int, bool]] = {"dense": (0, False), "skip": (0, True), "int8": (1, False), "int8_skip": (1, True)}
+
+
+def compile_sm90(variant: str, head_dim: int = 128, config: GluonConfig | None = None):
+    """Compile one kernel variant for sm_90 without a GPU (``triton.compile`` on the AST).
+
+    Returns the compiled kernel; ``.asm["ptx"]`` / ``.asm["ttgir"]`` hold its code. Tensor
+    arguments are described by CPU tensors of the right dtype, so no device is touched.
+    """
+    if _GLUON_MISSING:
+        raise RuntimeError(_GLUON_MISSING)
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.jit import mangle_type
+
+    quant, skip = VARIANTS[variant]
+    cfg = config or default_config("int8" if quant else "dense")
+    heads, kv_heads, tokens = 4, 2, 1024
+    qk = torch.empty(tokens, heads * head_dim, dtype=torch.int8 if quant else torch.bfloat16)
+    kv = torch.empty(tokens, kv_heads * head_dim, dtype=qk.dtype)
+    vt = torch.empty(kv_heads * head_dim, tokens, dtype=torch.float8_e4m3fn)
+    descs = (_desc(qk, [cfg.block_m, head_dim]), _desc(kv, [cfg.block_n, head_dim]),
+             _desc(vt, [head_dim, cfg.block_n]) if quant else _desc(kv, [cfg.block_n, head_dim]))
+    out, f32, i32 = (torch.empty(16, dtype=t) for t in (torch.bfloat16, torch.float32, torch.int32))
+    runtime = (*descs, out, f32, f32, f32, i32, i32, i32, 0.1, 0.5, 7, 7, 512, 128)
+    constexprs = dict(H=heads, GROUP=heads // kv_heads, HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                      STAGES=cfg.stages, CONSUMERS=cfg.consumers, CONSUMER_REGS=cfg.consumer_regs,
+                      QUANT=quant, Q_BS=1, K_BS=16 if quant else 1, SKIP=skip, STATS=skip)
+    names = _attn_fwd.arg_names
+    signature = {name: mangle_type(arg) for name, arg in zip(names, runtime)}
+    signature.update({name: "constexpr" for name in constexprs})
+    src = gluon._runtime.GluonASTSource(_attn_fwd, signature, constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 128), options=dict(num_warps=4, maxnreg=cfg.maxnreg))
+
+
+class GluonRoute(Route):
+    """The Gluon FA3-style kernel (SM90 only); never picked by ``auto`` until it measures faster."""
+
+    name = "gluon"
+    auto = False
+    caps = Capabilities(
+        min_sm=90,
+        head_dims=frozenset({64, 128}),
+        skip_softmax=True,
+        sage_dtypes=frozenset({"int8"}),
+    )
+
+    def extra_reasons(self, call: AttentionCall) -> list[str]:
+        reasons = []
+        if _GLUON_MISSING:
+            reasons.append(_GLUON_MISSING)
+        sm = device_sm(call.q.device)
+        if sm is not None and sm != 90:
+            reasons.append(f"the gluon kernel is written for Hopper (sm_90); this GPU is sm_{sm}")
+        if call.q.dtype != torch.bfloat16:
+            reasons.append(f"the gluon kernel takes bf16 inputs; got {call.q.dtype}")
+        return reasons
+
+    def run(self, call: AttentionCall) -> AttentionResult:
+        res = gluon_attention(
+            call.q,
+            call.k,
+            call.v,
+            call.layout,
+            softmax_scale=call.softmax_scale,
+            skip_factor=call.skip_factor,
+            quant=call.quant,
+            collect_stats=call.collect_stats,
+        )
+        return AttentionResult(res.out, self.name, res.skipped_tiles, res.total_tiles if call.collect_stats else None)
+
+
+register_route(GluonRoute())

@@ -1,0 +1,57 @@
+"""The ``gluon`` route without a GPU: every kernel variant compiles for sm_90 ahead of time (Hopper
+tensor-core and register-reallocation instructions in its PTX), and the route stays out of ``auto``."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from diffusers_trtllm.kernels import gluon_attn
+
+needs_gluon = pytest.mark.skipif(gluon_attn.gluon_missing() is not None, reason=str(gluon_attn.gluon_missing()))
+
+#: wgmma flavours each variant must contain: (Q K^T, P V).
+WGMMA = {
+    "dense": ("f32.bf16.bf16", "f32.bf16.bf16"),
+    "skip": ("f32.bf16.bf16", "f32.bf16.bf16"),
+    "int8": ("s32.s8.s8", "f32.e4m3.e4m3"),
+    "int8_skip": ("s32.s8.s8", "f32.e4m3.e4m3"),
+}
+
+
+def _compile(variant, head_dim):
+    try:
+        return gluon_attn.compile_sm90(variant, head_dim)
+    except Exception as exc:  # a Triton without the sm_90 backend, not a kernel bug
+        if "backend" in str(exc).lower() and "cuda" in str(exc).lower():
+            pytest.skip(f"this Triton cannot compile for sm_90: {exc}")
+        raise
+
+
+@needs_gluon
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("variant", sorted(WGMMA))
+def test_compiles_for_sm90_with_wgmma(variant, head_dim):
+    kernel = _compile(variant, head_dim)
+    ptx = kernel.asm["ptx"]
+    kinds = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k\d+\.(\S+?)[ ;]", ptx))
+    for kind in WGMMA[variant]:
+        assert kind in kinds, f"{variant}: no {kind} wgmma in the PTX (found {sorted(kinds)})"
+    assert "setmaxnreg" in ptx  # the warp-specialized partitions re-balance registers
+    assert "cp.async.bulk.tensor" in ptx  # TMA loads
+    assert kernel.metadata.shared <= 227 * 1024
+
+
+def test_route_is_never_auto_and_says_why_not_here():
+    from diffusers_trtllm.layout import PackedLayout
+    from diffusers_trtllm.routes import AttentionCall, get_route, select_route
+
+    q = torch.randn(8, 2, 64, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    call = AttentionCall(q, q, q, PackedLayout.from_cu_seqlens(cu, cu, 8, 8, q_tokens=8, kv_tokens=8), softmax_scale=0.125)
+    route = get_route("gluon")
+    assert not route.auto
+    assert select_route(call).name != "gluon"
+    assert route.not_supported_reasons(call)  # no sm_90 GPU here
