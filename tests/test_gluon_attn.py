@@ -21,20 +21,26 @@ WGMMA = {
 }
 
 
-def _compile(variant, head_dim):
+def _compile(variant, head_dim, lookahead):
+    from dataclasses import replace
+
+    config = replace(gluon_attn.default_config("int8" if variant.startswith("int8") else "dense"), lookahead=lookahead)
     try:
-        return gluon_attn.compile_sm90(variant, head_dim)
+        return gluon_attn.compile_sm90(variant, head_dim, config)
     except Exception as exc:  # a Triton without the sm_90 backend, not a kernel bug
         if "backend" in str(exc).lower() and "cuda" in str(exc).lower():
             pytest.skip(f"this Triton cannot compile for sm_90: {exc}")
         raise
 
 
+#: Every variant with and without look-ahead at head dim 128, and head dim 64 once per QK type (~1.5 s each).
+CASES = [(v, 128, look) for v in sorted(WGMMA) for look in (False, True)] + [("skip", 64, False), ("int8_skip", 64, True)]
+
+
 @needs_gluon
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("variant", sorted(WGMMA))
-def test_compiles_for_sm90_with_wgmma(variant, head_dim):
-    kernel = _compile(variant, head_dim)
+@pytest.mark.parametrize("variant,head_dim,lookahead", CASES)
+def test_compiles_for_sm90_with_wgmma(variant, head_dim, lookahead):
+    kernel = _compile(variant, head_dim, lookahead)
     ptx = kernel.asm["ptx"]
     kinds = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k\d+\.(\S+?)[ ;]", ptx))
     for kind in WGMMA[variant]:

@@ -23,7 +23,7 @@ def _hopper_with_gluon():
         pytest.skip("the gluon kernel is written for sm_90")
 
 
-CONFIGS = ["default", "one_consumer", "three_stages"]
+CONFIGS = ["default", "lookahead", "one_consumer", "three_stages"]
 
 
 def _config(name, sage):
@@ -32,7 +32,8 @@ def _config(name, sage):
     from diffusers_trtllm.kernels.gluon_attn import default_config
 
     cfg = default_config("int8" if sage else "dense")
-    return {"default": cfg, "one_consumer": replace(cfg, consumers=1), "three_stages": replace(cfg, stages=3)}[name]
+    return {"default": cfg, "lookahead": replace(cfg, lookahead=True), "one_consumer": replace(cfg, consumers=1),
+            "three_stages": replace(cfg, stages=3)}[name]
 
 
 @pytest.mark.parametrize("config", CONFIGS)
@@ -45,7 +46,7 @@ def test_dense_matches_reference(dim, kv_heads, config):
     assert rel_l1(out, _reference(q, k, v, layout).out) < 1e-2
 
 
-@pytest.mark.parametrize("config", CONFIGS[:2])
+@pytest.mark.parametrize("config", CONFIGS[:3])
 @pytest.mark.parametrize("dim", [64, 128])
 def test_skip_counts_match_reference(dim, config):
     from diffusers_trtllm.kernels.gluon_attn import gluon_attention
@@ -64,14 +65,15 @@ def test_skip_counts_match_reference(dim, config):
     assert none.skipped_tiles == 0
 
 
+@pytest.mark.parametrize("config", CONFIGS[:2])
 @pytest.mark.parametrize("skip", [None, 0.02])
 @pytest.mark.parametrize("dim", [64, 128])
-def test_int8_sage_matches_reference(dim, skip):
-    from diffusers_trtllm.kernels.gluon_attn import default_config, gluon_attention
+def test_int8_sage_matches_reference(dim, skip, config):
+    from diffusers_trtllm.kernels.gluon_attn import gluon_attention
 
     q, k, v, layout = _inputs(dim, kv_heads=4)
     quant = QuantConfig("int8", 1, 16)
-    cfg = default_config("int8")
+    cfg = _config(config, True)
     factor = None if skip is None else skip * layout.max_seqlen_kv
     res = gluon_attention(q, k, v, layout, softmax_scale=dim**-0.5, skip_factor=factor, quant=quant,
                           collect_stats=True, config=cfg)

@@ -49,6 +49,8 @@ class GluonConfig:
     consumer_regs: int = 232
     #: Kernel-wide register cap, from which the default partition gets what is left.
     maxnreg: int = 168
+    #: Issue ``Q K^T`` of the next tile before this tile's softmax (FA3's intra-warpgroup overlap).
+    lookahead: bool = False
 
 
 _TUNED: dict[str, GluonConfig] = {
@@ -118,21 +120,21 @@ if gluon is not None:
                 _tma_load(desc_v, [kv_col, v_start + j * BLOCK_N], v_ready.index(st), v_bufs.index(st))
 
     @gluon.jit
-    def _scores(q_smem, k_buf, kv_len, start_n, k_scale_ptr, k_scale_first, s_layout: gl.constexpr,
-                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, QUANT: gl.constexpr, K_BS: gl.constexpr,
-                MASK: gl.constexpr):
-        """``Q K^T`` of one tile (before the per-row factor), masked past ``kv_len`` when ``MASK``."""
+    def _qk_issue(q_smem, k_buf, s_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  QUANT: gl.constexpr):
+        """Start ``Q K^T`` of one tile on the tensor cores (bf16 into fp32, or int8 into int32)."""
+        acc_dtype: gl.constexpr = gl.float32 if QUANT == 0 else gl.int32
+        return warpgroup_mma(q_smem, k_buf.permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], acc_dtype, s_layout),
+                             use_acc=False, is_async=True)
+
+    @gluon.jit
+    def _qk_finish(s, kv_len, start_n, k_scale_ptr, k_scale_first, s_layout: gl.constexpr,
+                   BLOCK_N: gl.constexpr, QUANT: gl.constexpr, K_BS: gl.constexpr, MASK: gl.constexpr):
+        """Scores of a finished ``Q K^T`` (before the per-row factor), masked past ``kv_len`` when ``MASK``."""
         cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        if QUANT == 0:
-            s = warpgroup_mma(q_smem, k_buf.permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout),
-                              use_acc=False, is_async=True)
-            s = warpgroup_mma_wait(0, deps=(s, ))
-        else:
-            si = warpgroup_mma(q_smem, k_buf.permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.int32, s_layout),
-                               use_acc=False, is_async=True)
-            si = warpgroup_mma_wait(0, deps=(si, ))
+        if QUANT != 0:
             # |int8 dot| < 2**22: adding 1.5 * 2**23's bit pattern makes an exact float
-            s = (si + 0x4B400000).to(gl.float32, bitcast=True) - 12582912.0
+            s = (s + 0x4B400000).to(gl.float32, bitcast=True) - 12582912.0
             k_scale = gl.load(k_scale_ptr + k_scale_first + cols // K_BS, mask=cols < kv_len, other=0.0)
             s = _mul_rn(s, gl.expand_dims(k_scale, 0))
         if MASK:
@@ -140,17 +142,9 @@ if gluon is not None:
         return s
 
     @gluon.jit
-    def _tile(j, acc, l_i, m_i, n_skipped, q_smem, k_bufs, v_bufs, k_ready, v_ready, empty, q_row_scale, row_ok,
-              k_scale_ptr, k_scale_first, kv_len, log2_lam, s_layout: gl.constexpr, o_layout: gl.constexpr,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, QUANT: gl.constexpr,
-              K_BS: gl.constexpr, MASK: gl.constexpr, SKIP: gl.constexpr):
-        """One KV tile for one consumer: scores, skip decision, online-softmax update and ``P V``."""
-        st = j % STAGES
-        ph = (j // STAGES) & 1
-        start_n = j * BLOCK_N
-        mbarrier.wait(k_ready.index(st), ph)
-        s = _scores(q_smem, k_bufs.index(st), kv_len, start_n, k_scale_ptr, k_scale_first, s_layout,
-                    BLOCK_M, BLOCK_N, QUANT, K_BS, MASK)
+    def _update(j, s, acc, l_i, m_i, n_skipped, v_bufs, v_ready, empty, st, ph, q_row_scale, row_ok, log2_lam,
+                o_layout: gl.constexpr, QUANT: gl.constexpr, SKIP: gl.constexpr):
+        """Skip decision, online-softmax update and ``P V`` for tile ``j`` (stage ``st``), then release the stage."""
         local = _max_nan(s, 1)  # NaN rows stay NaN, so the skip rule keeps their tiles (as the reference)
         keep = True
         if SKIP:
@@ -179,12 +173,56 @@ if gluon is not None:
         return acc, l_i, m_i, n_skipped
 
     @gluon.jit
+    def _tile(j, acc, l_i, m_i, n_skipped, q_smem, k_bufs, v_bufs, k_ready, v_ready, empty, q_row_scale, row_ok,
+              k_scale_ptr, k_scale_first, kv_len, log2_lam, s_layout: gl.constexpr, o_layout: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, QUANT: gl.constexpr,
+              K_BS: gl.constexpr, MASK: gl.constexpr, SKIP: gl.constexpr):
+        """One KV tile, in order: ``Q K^T``, wait, softmax, ``P V``, wait."""
+        st = j % STAGES
+        ph = (j // STAGES) & 1
+        mbarrier.wait(k_ready.index(st), ph)
+        s = _qk_issue(q_smem, k_bufs.index(st), s_layout, BLOCK_M, BLOCK_N, QUANT)
+        s = warpgroup_mma_wait(0, deps=(s, ))
+        s = _qk_finish(s, kv_len, j * BLOCK_N, k_scale_ptr, k_scale_first, s_layout, BLOCK_N, QUANT, K_BS, MASK)
+        return _update(j, s, acc, l_i, m_i, n_skipped, v_bufs, v_ready, empty, st, ph, q_row_scale, row_ok, log2_lam,
+                       o_layout, QUANT, SKIP)
+
+    @gluon.jit
+    def _lookahead_loop(acc, l_i, m_i, n_skipped, q_smem, k_bufs, v_bufs, k_ready, v_ready, empty, q_row_scale,
+                        row_ok, k_scale_ptr, k_scale_first, kv_len, log2_lam, s_layout: gl.constexpr,
+                        o_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                        QUANT: gl.constexpr, K_BS: gl.constexpr, SKIP: gl.constexpr):
+        """Every KV tile, with ``Q K^T`` of tile ``j + 1`` on the tensor cores during tile ``j``'s softmax.
+
+        After the last tile the look-ahead product reads the last stage again (it is still
+        held), so the loop has no conditional MMA; its result is dropped.
+        """
+        n_tiles = gl.cdiv(kv_len, BLOCK_N)
+        mbarrier.wait(k_ready.index(0), 0, pred=n_tiles > 0)  # no tiles: the product reads stale SMEM, unused
+        s_next = _qk_issue(q_smem, k_bufs.index(0), s_layout, BLOCK_M, BLOCK_N, QUANT)
+        for j in range(n_tiles):
+            st = j % STAGES
+            ph = (j // STAGES) & 1
+            s = warpgroup_mma_wait(0, deps=(s_next, ))
+            jn = gl.minimum(j + 1, n_tiles - 1)
+            mbarrier.wait(k_ready.index(jn % STAGES), (jn // STAGES) & 1)
+            s_next = _qk_issue(q_smem, k_bufs.index(jn % STAGES), s_layout, BLOCK_M, BLOCK_N, QUANT)
+            s = _qk_finish(s, kv_len, j * BLOCK_N, k_scale_ptr, k_scale_first, s_layout, BLOCK_N, QUANT, K_BS, False)
+            if (j + 1) * BLOCK_N > kv_len:  # the ragged last tile
+                cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+                s = gl.where(gl.expand_dims(cols < kv_len, 0), s, _NEG_INF)
+            acc, l_i, m_i, n_skipped = _update(j, s, acc, l_i, m_i, n_skipped, v_bufs, v_ready, empty, st, ph,
+                                               q_row_scale, row_ok, log2_lam, o_layout, QUANT, SKIP)
+        s_next = warpgroup_mma_wait(0, deps=(s_next, ))
+        return acc, l_i, m_i, n_skipped
+
+    @gluon.jit
     def _consumer(desc_q, out_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, stats_ptr, q_smem, q_bar,
                   k_bufs, v_bufs, k_ready, v_ready, empty, q_start, q_len, m0, kv_len, head, kv_head,
                   n_q_blocks, n_k_blocks, kv_start, seq, qk_scale, skip_factor, stride_ot, stride_oh,
                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                   QUANT: gl.constexpr, Q_BS: gl.constexpr, K_BS: gl.constexpr, SKIP: gl.constexpr,
-                  STATS: gl.constexpr):
+                  STATS: gl.constexpr, LOOKAHEAD: gl.constexpr):
         """One warpgroup's Q tile (rows ``m0 .. m0 + BLOCK_M`` of the sequence) over every KV tile."""
         K_QK: gl.constexpr = 16 if QUANT == 0 else 32
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -211,17 +249,23 @@ if gluon is not None:
         n_skipped = gl.to_tensor(0)
         mbarrier.wait(q_bar, 0)
 
-        n_full = kv_len // BLOCK_N
-        for j in range(n_full):
-            acc, l_i, m_i, n_skipped = _tile(
-                j, acc, l_i, m_i, n_skipped, q_smem, k_bufs, v_bufs, k_ready, v_ready, empty, q_row_scale, row_ok,
+        if LOOKAHEAD:
+            acc, l_i, m_i, n_skipped = _lookahead_loop(
+                acc, l_i, m_i, n_skipped, q_smem, k_bufs, v_bufs, k_ready, v_ready, empty, q_row_scale, row_ok,
                 k_scale_ptr, k_scale_first, kv_len, log2_lam, s_layout, o_layout,
-                BLOCK_M, BLOCK_N, STAGES, QUANT, K_BS, False, SKIP)
-        if n_full * BLOCK_N < kv_len:  # the ragged last tile, masked
-            acc, l_i, m_i, n_skipped = _tile(
-                n_full, acc, l_i, m_i, n_skipped, q_smem, k_bufs, v_bufs, k_ready, v_ready, empty, q_row_scale,
-                row_ok, k_scale_ptr, k_scale_first, kv_len, log2_lam, s_layout, o_layout,
-                BLOCK_M, BLOCK_N, STAGES, QUANT, K_BS, True, SKIP)
+                BLOCK_M, BLOCK_N, STAGES, QUANT, K_BS, SKIP)
+        else:
+            n_full = kv_len // BLOCK_N
+            for j in range(n_full):
+                acc, l_i, m_i, n_skipped = _tile(
+                    j, acc, l_i, m_i, n_skipped, q_smem, k_bufs, v_bufs, k_ready, v_ready, empty, q_row_scale,
+                    row_ok, k_scale_ptr, k_scale_first, kv_len, log2_lam, s_layout, o_layout,
+                    BLOCK_M, BLOCK_N, STAGES, QUANT, K_BS, False, SKIP)
+            if n_full * BLOCK_N < kv_len:  # the ragged last tile, masked
+                acc, l_i, m_i, n_skipped = _tile(
+                    n_full, acc, l_i, m_i, n_skipped, q_smem, k_bufs, v_bufs, k_ready, v_ready, empty, q_row_scale,
+                    row_ok, k_scale_ptr, k_scale_first, kv_len, log2_lam, s_layout, o_layout,
+                    BLOCK_M, BLOCK_N, STAGES, QUANT, K_BS, True, SKIP)
 
         o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
         o_cols: gl.constexpr = gl.SliceLayout(0, o_layout)
@@ -244,12 +288,12 @@ if gluon is not None:
                     n_q_blocks, n_k_blocks, kv_start, seq, qk_scale, skip_factor, stride_ot, stride_oh,
                     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                     QUANT: gl.constexpr, Q_BS: gl.constexpr, K_BS: gl.constexpr, SKIP: gl.constexpr,
-                    STATS: gl.constexpr):
+                    STATS: gl.constexpr, LOOKAHEAD: gl.constexpr):
         """The second consumer warpgroup: the next ``BLOCK_M`` rows, its own Q buffer and barrier."""
         _consumer(desc_q, out_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, stats_ptr, q_smem.index(1), q_bar.index(1),
                   k_bufs, v_bufs, k_ready, v_ready, empty, q_start, q_len, m0 + BLOCK_M, kv_len, head, kv_head,
                   n_q_blocks, n_k_blocks, kv_start, seq, qk_scale, skip_factor, stride_ot, stride_oh,
-                  HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QUANT, Q_BS, K_BS, SKIP, STATS)
+                  HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QUANT, Q_BS, K_BS, SKIP, STATS, LOOKAHEAD)
 
     @gluon.jit
     def _consumer_0(desc_q, out_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, stats_ptr, q_smem, q_bar,
@@ -257,12 +301,12 @@ if gluon is not None:
                     n_q_blocks, n_k_blocks, kv_start, seq, qk_scale, skip_factor, stride_ot, stride_oh,
                     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                     QUANT: gl.constexpr, Q_BS: gl.constexpr, K_BS: gl.constexpr, SKIP: gl.constexpr,
-                    STATS: gl.constexpr):
+                    STATS: gl.constexpr, LOOKAHEAD: gl.constexpr):
         """The first consumer warpgroup (the default partition)."""
         _consumer(desc_q, out_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, stats_ptr, q_smem.index(0), q_bar.index(0),
                   k_bufs, v_bufs, k_ready, v_ready, empty, q_start, q_len, m0, kv_len, head, kv_head,
                   n_q_blocks, n_k_blocks, kv_start, seq, qk_scale, skip_factor, stride_ot, stride_oh,
-                  HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QUANT, Q_BS, K_BS, SKIP, STATS)
+                  HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QUANT, Q_BS, K_BS, SKIP, STATS, LOOKAHEAD)
 
     @gluon.jit
     def _attn_fwd(
@@ -271,6 +315,7 @@ if gluon is not None:
         H: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
         QUANT: gl.constexpr, Q_BS: gl.constexpr, K_BS: gl.constexpr, SKIP: gl.constexpr, STATS: gl.constexpr,
+        LOOKAHEAD: gl.constexpr,
     ):
         cta_m0 = gl.program_id(0) * (CONSUMERS * BLOCK_M)
         seq = gl.program_id(1) // H
@@ -305,11 +350,11 @@ if gluon is not None:
                 (_consumer_0, (desc_q, out_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, stats_ptr, q_smem, q_bar,
                                k_bufs, v_bufs, k_ready, v_ready, empty, q_start, q_len, cta_m0, kv_len, head, kv_head,
                                n_q_blocks, n_k_blocks, kv_start, seq, qk_scale, skip_factor, stride_ot, stride_oh,
-                               HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QUANT, Q_BS, K_BS, SKIP, STATS)),
+                               HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QUANT, Q_BS, K_BS, SKIP, STATS, LOOKAHEAD)),
                 (_consumer_1, (desc_q, out_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, stats_ptr, q_smem, q_bar,
                                k_bufs, v_bufs, k_ready, v_ready, empty, q_start, q_len, cta_m0, kv_len, head, kv_head,
                                n_q_blocks, n_k_blocks, kv_start, seq, qk_scale, skip_factor, stride_ot, stride_oh,
-                               HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QUANT, Q_BS, K_BS, SKIP, STATS)),
+                               HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QUANT, Q_BS, K_BS, SKIP, STATS, LOOKAHEAD)),
                 (_loader, (desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, empty, kv_start, v_start, kv_col, n_tiles,
                            BLOCK_N, STAGES, QUANT)),
             ], [4, 1], [CONSUMER_REGS, 24])
@@ -318,7 +363,7 @@ if gluon is not None:
                 (_consumer_0, (desc_q, out_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, stats_ptr, q_smem, q_bar,
                                k_bufs, v_bufs, k_ready, v_ready, empty, q_start, q_len, cta_m0, kv_len, head, kv_head,
                                n_q_blocks, n_k_blocks, kv_start, seq, qk_scale, skip_factor, stride_ot, stride_oh,
-                               HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QUANT, Q_BS, K_BS, SKIP, STATS)),
+                               HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QUANT, Q_BS, K_BS, SKIP, STATS, LOOKAHEAD)),
                 (_loader, (desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, empty, kv_start, v_start, kv_col, n_tiles,
                            BLOCK_N, STAGES, QUANT)),
             ], [1], [24])
@@ -362,6 +407,8 @@ def gluon_attention(
     if sage and quant.dtype_qk != "int8":
         raise ValueError(f"the gluon route's SAGE path is int8 QK; got dtype_qk={quant.dtype_qk!r}. Use backend='triton'.")
     cfg = config or default_config("int8" if sage else "dense")
+    if cfg.stages < 2:
+        raise ValueError(f"the gluon kernel needs at least 2 pipeline stages; got {cfg.stages}.")
     bm, bn = cfg.block_m, cfg.block_n
     out = torch.empty(tokens_q, heads, dim, dtype=q.dtype, device=q.device)
     if sage:
@@ -385,7 +432,7 @@ def gluon_attention(
         H=heads, GROUP=heads // kv_heads, HEAD_DIM=dim, BLOCK_M=bm, BLOCK_N=bn,
         STAGES=cfg.stages, CONSUMERS=cfg.consumers, CONSUMER_REGS=cfg.consumer_regs,
         QUANT=1 if sage else 0, Q_BS=block_sizes[0], K_BS=block_sizes[1],
-        SKIP=skip_factor is not None, STATS=collect_stats and skip_factor is not None,
+        SKIP=skip_factor is not None, STATS=collect_stats and skip_factor is not None, LOOKAHEAD=cfg.lookahead,
         num_warps=4, maxnreg=cfg.maxnreg,
     )
     total = heads * sum(-(-lq // bm) * -(-lkv // bn) for lq, lkv in zip(layout.q_lens, layout.kv_lens) if lq and lkv)
@@ -420,7 +467,8 @@ def compile_sm90(variant: str, head_dim: int = 128, config: GluonConfig | None =
     runtime = (*descs, out, f32, f32, f32, i32, i32, i32, 0.1, 0.5, 7, 7, 512, 128)
     constexprs = dict(H=heads, GROUP=heads // kv_heads, HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                       STAGES=cfg.stages, CONSUMERS=cfg.consumers, CONSUMER_REGS=cfg.consumer_regs,
-                      QUANT=quant, Q_BS=1, K_BS=16 if quant else 1, SKIP=skip, STATS=skip)
+                      QUANT=quant, Q_BS=1, K_BS=16 if quant else 1, SKIP=skip, STATS=skip,
+                      LOOKAHEAD=cfg.lookahead)
     names = _attn_fwd.arg_names
     signature = {name: mangle_type(arg) for name, arg in zip(names, runtime)}
     signature.update({name: "constexpr" for name in constexprs})
