@@ -31,8 +31,8 @@ import torch
 
 from ..config import QuantConfig
 from ..layout import PackedLayout
-from ..routes import AttentionCall, AttentionResult, Capabilities, Route, device_sm, register_route
-from .triton_attn import LOG2E, TritonAttentionOutput
+from ..routes import AttentionCall, Capabilities, device_sm, register_route
+from .triton_attn import LOG2E, TritonAttentionOutput, TritonRoute, check_heads, tile_output
 
 __all__ = ["GluonRoute", "GluonConfig", "gluon_attention", "gluon_missing"]
 
@@ -217,13 +217,16 @@ if gluon is not None:
         return acc, l_i, m_i, n_skipped
 
     @gluon.jit
-    def _consumer(desc_q, out_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, stats_ptr, q_smem, q_bar,
-                  k_bufs, v_bufs, k_ready, v_ready, empty, q_start, q_len, m0, kv_len, head, kv_head,
+    def _consumer(desc_q, out_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, stats_ptr, q_bufs, q_bars,
+                  k_bufs, v_bufs, k_ready, v_ready, empty, q_start, q_len, cta_m0, kv_len, head, kv_head,
                   n_q_blocks, n_k_blocks, kv_start, seq, qk_scale, skip_factor, stride_ot, stride_oh,
                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                   QUANT: gl.constexpr, Q_BS: gl.constexpr, K_BS: gl.constexpr, SKIP: gl.constexpr,
-                  STATS: gl.constexpr, LOOKAHEAD: gl.constexpr):
-        """One warpgroup's Q tile (rows ``m0 .. m0 + BLOCK_M`` of the sequence) over every KV tile."""
+                  STATS: gl.constexpr, LOOKAHEAD: gl.constexpr, WG: gl.constexpr):
+        """Consumer warpgroup ``WG``: its Q tile (rows ``m0 .. m0 + BLOCK_M`` of the sequence) over every KV tile."""
+        m0 = cta_m0 + WG * BLOCK_M
+        q_smem = q_bufs.index(WG)
+        q_bar = q_bars.index(WG)
         K_QK: gl.constexpr = 16 if QUANT == 0 else 32
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, K_QK])
@@ -283,32 +286,6 @@ if gluon is not None:
                 gl.atomic_add(stats_ptr, n_skipped)
 
     @gluon.jit
-    def _consumer_1(desc_q, out_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, stats_ptr, q_smem, q_bar,
-                    k_bufs, v_bufs, k_ready, v_ready, empty, q_start, q_len, m0, kv_len, head, kv_head,
-                    n_q_blocks, n_k_blocks, kv_start, seq, qk_scale, skip_factor, stride_ot, stride_oh,
-                    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                    QUANT: gl.constexpr, Q_BS: gl.constexpr, K_BS: gl.constexpr, SKIP: gl.constexpr,
-                    STATS: gl.constexpr, LOOKAHEAD: gl.constexpr):
-        """The second consumer warpgroup: the next ``BLOCK_M`` rows, its own Q buffer and barrier."""
-        _consumer(desc_q, out_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, stats_ptr, q_smem.index(1), q_bar.index(1),
-                  k_bufs, v_bufs, k_ready, v_ready, empty, q_start, q_len, m0 + BLOCK_M, kv_len, head, kv_head,
-                  n_q_blocks, n_k_blocks, kv_start, seq, qk_scale, skip_factor, stride_ot, stride_oh,
-                  HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QUANT, Q_BS, K_BS, SKIP, STATS, LOOKAHEAD)
-
-    @gluon.jit
-    def _consumer_0(desc_q, out_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, stats_ptr, q_smem, q_bar,
-                    k_bufs, v_bufs, k_ready, v_ready, empty, q_start, q_len, m0, kv_len, head, kv_head,
-                    n_q_blocks, n_k_blocks, kv_start, seq, qk_scale, skip_factor, stride_ot, stride_oh,
-                    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                    QUANT: gl.constexpr, Q_BS: gl.constexpr, K_BS: gl.constexpr, SKIP: gl.constexpr,
-                    STATS: gl.constexpr, LOOKAHEAD: gl.constexpr):
-        """The first consumer warpgroup (the default partition)."""
-        _consumer(desc_q, out_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, stats_ptr, q_smem.index(0), q_bar.index(0),
-                  k_bufs, v_bufs, k_ready, v_ready, empty, q_start, q_len, m0, kv_len, head, kv_head,
-                  n_q_blocks, n_k_blocks, kv_start, seq, qk_scale, skip_factor, stride_ot, stride_oh,
-                  HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QUANT, Q_BS, K_BS, SKIP, STATS, LOOKAHEAD)
-
-    @gluon.jit
     def _attn_fwd(
         desc_q, desc_k, desc_v, out_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, stats_ptr,
         cu_q_ptr, cu_kv_ptr, qk_scale, skip_factor, n_q_blocks, n_k_blocks, stride_ot, stride_oh,
@@ -347,23 +324,23 @@ if gluon is not None:
         # (argument tuples are written inline: a tuple bound to a name turns its constexprs into tensors)
         if CONSUMERS == 2:
             gl.warp_specialize([
-                (_consumer_0, (desc_q, out_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, stats_ptr, q_smem, q_bar,
+                (_consumer, (desc_q, out_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, stats_ptr, q_smem, q_bar,
                                k_bufs, v_bufs, k_ready, v_ready, empty, q_start, q_len, cta_m0, kv_len, head, kv_head,
                                n_q_blocks, n_k_blocks, kv_start, seq, qk_scale, skip_factor, stride_ot, stride_oh,
-                               HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QUANT, Q_BS, K_BS, SKIP, STATS, LOOKAHEAD)),
-                (_consumer_1, (desc_q, out_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, stats_ptr, q_smem, q_bar,
+                               HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QUANT, Q_BS, K_BS, SKIP, STATS, LOOKAHEAD, 0)),
+                (_consumer, (desc_q, out_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, stats_ptr, q_smem, q_bar,
                                k_bufs, v_bufs, k_ready, v_ready, empty, q_start, q_len, cta_m0, kv_len, head, kv_head,
                                n_q_blocks, n_k_blocks, kv_start, seq, qk_scale, skip_factor, stride_ot, stride_oh,
-                               HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QUANT, Q_BS, K_BS, SKIP, STATS, LOOKAHEAD)),
+                               HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QUANT, Q_BS, K_BS, SKIP, STATS, LOOKAHEAD, 1)),
                 (_loader, (desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, empty, kv_start, v_start, kv_col, n_tiles,
                            BLOCK_N, STAGES, QUANT)),
             ], [4, 1], [CONSUMER_REGS, 24])
         else:
             gl.warp_specialize([
-                (_consumer_0, (desc_q, out_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, stats_ptr, q_smem, q_bar,
+                (_consumer, (desc_q, out_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, stats_ptr, q_smem, q_bar,
                                k_bufs, v_bufs, k_ready, v_ready, empty, q_start, q_len, cta_m0, kv_len, head, kv_head,
                                n_q_blocks, n_k_blocks, kv_start, seq, qk_scale, skip_factor, stride_ot, stride_oh,
-                               HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QUANT, Q_BS, K_BS, SKIP, STATS, LOOKAHEAD)),
+                               HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QUANT, Q_BS, K_BS, SKIP, STATS, LOOKAHEAD, 0)),
                 (_loader, (desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, empty, kv_start, v_start, kv_col, n_tiles,
                            BLOCK_N, STAGES, QUANT)),
             ], [1], [24])
@@ -390,17 +367,21 @@ def gluon_attention(
     skip_factor: float | None = None,
     quant: QuantConfig | None = None,
     collect_stats: bool = False,
+    return_lse: bool = False,
     config: GluonConfig | None = None,
 ) -> TritonAttentionOutput:
-    """Attention over packed ``[tokens, heads, dim]`` bf16 tensors with the Gluon Hopper kernel."""
+    """Attention over packed ``[tokens, heads, dim]`` bf16 tensors with the Gluon Hopper kernel.
+
+    ``return_lse`` is accepted for ``TritonRoute.run``'s interface; the kernel does not write the
+    log-sum-exp yet (the route does not claim it), so asking for it is an error.
+    """
     if _GLUON_MISSING:
         raise RuntimeError(_GLUON_MISSING)
+    if return_lse:
+        raise ValueError("the gluon kernel does not return the log-sum-exp; use backend='triton' or 'fa3'.")
     tokens_q, heads, dim = q.shape
     kv_heads = k.shape[1]
-    if dim not in (64, 128):
-        raise ValueError(f"the gluon route supports head dim 64 or 128; got {dim}.")
-    if heads % kv_heads:
-        raise ValueError(f"query heads ({heads}) must be a multiple of KV heads ({kv_heads}).")
+    check_heads(q, k, "gluon")
     if q.dtype != torch.bfloat16:
         raise ValueError(f"the gluon route takes bf16 Q/K/V; got {q.dtype}. Cast, or use backend='triton'.")
     sage = quant is not None and quant.enabled
@@ -435,9 +416,7 @@ def gluon_attention(
         SKIP=skip_factor is not None, STATS=collect_stats and skip_factor is not None, LOOKAHEAD=cfg.lookahead,
         num_warps=4, maxnreg=cfg.maxnreg,
     )
-    total = heads * sum(-(-lq // bm) * -(-lkv // bn) for lq, lkv in zip(layout.q_lens, layout.kv_lens) if lq and lkv)
-    skipped = int(stats.item()) if collect_stats and skip_factor is not None else (0 if collect_stats else None)
-    return TritonAttentionOutput(out, skipped, total)
+    return tile_output(out, stats, layout, heads, bm, bn, collect_stats, skip_factor)
 
 
 #: Variants the ahead-of-time check compiles: (QUANT, SKIP).
@@ -476,11 +455,12 @@ def compile_sm90(variant: str, head_dim: int = 128, config: GluonConfig | None =
     return triton.compile(src, target=GPUTarget("cuda", 90, 128), options=dict(num_warps=4, maxnreg=cfg.maxnreg))
 
 
-class GluonRoute(Route):
+class GluonRoute(TritonRoute):
     """The Gluon FA3-style kernel (SM90 only); never picked by ``auto`` until it measures faster."""
 
     name = "gluon"
     auto = False
+    attention = staticmethod(gluon_attention)
     caps = Capabilities(
         min_sm=90,
         head_dims=frozenset({64, 128}),
@@ -498,19 +478,6 @@ class GluonRoute(Route):
         if call.q.dtype != torch.bfloat16:
             reasons.append(f"the gluon kernel takes bf16 inputs; got {call.q.dtype}")
         return reasons
-
-    def run(self, call: AttentionCall) -> AttentionResult:
-        res = gluon_attention(
-            call.q,
-            call.k,
-            call.v,
-            call.layout,
-            softmax_scale=call.softmax_scale,
-            skip_factor=call.skip_factor,
-            quant=call.quant,
-            collect_stats=call.collect_stats,
-        )
-        return AttentionResult(res.out, self.name, res.skipped_tiles, res.total_tiles if call.collect_stats else None)
 
 
 register_route(GluonRoute())

@@ -232,6 +232,24 @@ if triton is not None:
 
 
 
+def check_heads(q: torch.Tensor, k: torch.Tensor, route: str) -> None:
+    """Head dim 64/128 and whole query groups per KV head, or an error naming ``route``."""
+    heads, dim = q.shape[1:]
+    kv_heads = k.shape[1]
+    if dim not in (64, 128):
+        raise ValueError(f"the {route} route supports head dim 64 or 128; got {dim}.")
+    if heads % kv_heads:
+        raise ValueError(f"query heads ({heads}) must be a multiple of KV heads ({kv_heads}).")
+
+
+def tile_output(out: torch.Tensor, stats: torch.Tensor, layout: PackedLayout, heads: int, bm: int, bn: int,
+                collect_stats: bool, skip_factor: float | None, lse: torch.Tensor | None = None) -> TritonAttentionOutput:
+    """The kernel's output with its skip statistics over ``bm x bn`` tiles (``stats``: the skipped count)."""
+    total = heads * sum(-(-lq // bm) * -(-lkv // bn) for lq, lkv in zip(layout.q_lens, layout.kv_lens) if lq and lkv)
+    skipped = int(stats.item()) if collect_stats and skip_factor is not None else (0 if collect_stats else None)
+    return TritonAttentionOutput(out, skipped, total, lse)
+
+
 def _rows_desc(x: torch.Tensor, block: list[int]):
     """TMA descriptor over ``[tokens, heads * dim]`` (a view of ``[tokens, heads, dim]``)."""
     if x.stride(2) != 1 or x.stride(1) != x.shape[2] or (x.stride(0) * x.element_size()) % 16 or x.data_ptr() % 16:
@@ -262,10 +280,7 @@ def triton_attention(
         raise RuntimeError(_TRITON_MISSING)
     tokens_q, heads, dim = q.shape
     kv_heads = k.shape[1]
-    if dim not in (64, 128):
-        raise ValueError(f"the triton route supports head dim 64 or 128; got {dim}.")
-    if heads % kv_heads:
-        raise ValueError(f"query heads ({heads}) must be a multiple of KV heads ({kv_heads}).")
+    check_heads(q, k, "triton")
     sage = quant is not None and quant.enabled
     qk_kind = quant.dtype_qk if sage else "dense"
     cfg = config or default_config(qk_kind)
@@ -299,9 +314,7 @@ def triton_attention(
         NATIVE=triton_quant.fp8_native(q.device), COMPILED=not triton_quant.interpreting(), WARP_SPECIALIZE=cfg.warp_specialize,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    total = heads * sum(-(-lq // bm) * -(-lkv // bn) for lq, lkv in zip(layout.q_lens, layout.kv_lens) if lq and lkv)
-    skipped = int(stats.item()) if collect_stats and skip_factor is not None else (0 if collect_stats else None)
-    return TritonAttentionOutput(out, skipped, total, lse if return_lse else None)
+    return tile_output(out, stats, layout, heads, bm, bn, collect_stats, skip_factor, lse if return_lse else None)
 
 
 class TritonRoute(Route):
@@ -332,8 +345,11 @@ class TritonRoute(Route):
             return get_route("sdpa").priority(call) + 0.5
         return super().priority(call)
 
+    #: The host function ``run`` calls (a subclass with the same interface swaps it).
+    attention = staticmethod(triton_attention)
+
     def run(self, call: AttentionCall) -> AttentionResult:
-        res = triton_attention(
+        res = self.attention(
             call.q,
             call.k,
             call.v,
