@@ -30,6 +30,10 @@ CONFIGS: dict[str, tuple[str, str | None, float | None]] = {
     "triton-int8": ("triton", "int8", None),
     "triton-int8-skip50": ("triton", "int8", 0.00507),
     "fmha-v2-fp8": ("fmha-v2-fp8", "fp8_e4m3", None),
+    "gluon-dense": ("gluon", None, None),
+    "gluon-skip50": ("gluon", None, 0.00507),
+    "gluon-int8": ("gluon", "int8", None),
+    "gluon-int8-skip50": ("gluon", "int8", 0.00507),
 }
 
 
