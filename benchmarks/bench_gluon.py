@@ -2,7 +2,7 @@
 
     python benchmarks/bench_gluon.py --shape wan_14b_480p
 
-Per configuration (consumers, stages, block_n, look-ahead): dense bf16, skip-softmax (threshold that makes
+Per configuration (``KNOBS``: consumer warpgroups, stages, KV tile, schedule, register cap): dense bf16, skip-softmax (threshold that makes
 the ``triton`` route skip about half its tiles) and int8 SAGE, whole call including quantization;
 ``vs cuDNN`` is cuDNN's time over this time, ``diff`` the rel-L1 against the ``triton`` route's
 output for the same work (a cheap check that the kernel agrees; the GPU tests check the reference).
@@ -29,9 +29,17 @@ from diffusers_trtllm.kernels.gluon_attn import default_config, gluon_attention 
 from diffusers_trtllm.kernels.triton_attn import triton_attention  # noqa: E402
 from diffusers_trtllm.layout import PackedLayout  # noqa: E402
 
-#: (consumers, stages, block_n, lookahead)
-KNOBS = [(2, 2, 128, False), (2, 2, 128, True), (1, 2, 128, False), (1, 2, 128, True), (2, 3, 128, False),
-         (2, 3, 128, True), (2, 4, 64, False)]
+#: Configurations swept: name -> GluonConfig overrides of the default for the work's QK type.
+KNOBS = {
+    "c2 s2 inorder": {},
+    "c2 s2 fa3": dict(schedule="fa3"),
+    "c1 s2 fa3 r240": dict(schedule="fa3", consumers=1, maxnreg=240),
+    "c2 s2 lookahead": dict(schedule="lookahead"),
+    "c1 s2 inorder r240": dict(consumers=1, maxnreg=240),
+    "c2 s3 inorder": dict(stages=3),
+    "c2 s3 fa3": dict(schedule="fa3", stages=3),
+    "c2 s4 n64 fa3": dict(schedule="fa3", stages=4, block_n=64),
+}
 
 
 def main() -> None:
@@ -65,10 +73,9 @@ def main() -> None:
         ms = median_ms(lambda: triton_attention(q, k, v, layout, softmax_scale=scale, **kw))
         frac = (ref.skipped_tiles or 0) / ref.total_tiles
         print(f"{'triton':28s} {work:10s} {ms:8.3f} {cudnn / ms:8.2f} {frac:8.2f} {'':>8s}")
-        for consumers, stages, block_n, lookahead in KNOBS:
-            cfg = replace(default_config("int8" if "quant" in kw else "dense"), consumers=consumers, stages=stages,
-                          block_n=block_n, lookahead=lookahead)
-            name = f"gluon c{consumers} s{stages} n{block_n}" + (" look" if lookahead else "")
+        for knob, overrides in KNOBS.items():
+            cfg = replace(default_config("int8" if "quant" in kw else "dense"), **overrides)
+            name = f"gluon {knob}"
             try:
                 res = gluon_attention(q, k, v, layout, softmax_scale=scale, collect_stats=True, config=cfg, **kw)
                 ms = median_ms(lambda: gluon_attention(q, k, v, layout, softmax_scale=scale, config=cfg, **kw))

@@ -23,7 +23,15 @@ def _hopper_with_gluon():
         pytest.skip("the gluon kernel is written for sm_90")
 
 
-CONFIGS = ["default", "lookahead", "one_consumer", "three_stages"]
+#: Schedules and knobs under test: name -> GluonConfig overrides (the default config first).
+CONFIGS = {
+    "default": {},
+    "fa3": dict(schedule="fa3"),
+    "fa3_one_consumer": dict(schedule="fa3", consumers=1, maxnreg=240),
+    "lookahead": dict(schedule="lookahead"),
+    "one_consumer": dict(consumers=1),
+    "three_stages": dict(stages=3),
+}
 
 
 def _config(name, sage):
@@ -31,12 +39,10 @@ def _config(name, sage):
 
     from diffusers_trtllm.kernels.gluon_attn import default_config
 
-    cfg = default_config("int8" if sage else "dense")
-    return {"default": cfg, "lookahead": replace(cfg, lookahead=True), "one_consumer": replace(cfg, consumers=1),
-            "three_stages": replace(cfg, stages=3)}[name]
+    return replace(default_config("int8" if sage else "dense"), **CONFIGS[name])
 
 
-@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("dim,kv_heads", [(64, 8), (128, 2), (128, 8)])
 def test_dense_matches_reference(dim, kv_heads, config):
     from diffusers_trtllm.kernels.gluon_attn import gluon_attention
@@ -46,7 +52,7 @@ def test_dense_matches_reference(dim, kv_heads, config):
     assert rel_l1(out, _reference(q, k, v, layout).out) < 1e-2
 
 
-@pytest.mark.parametrize("config", CONFIGS[:3])
+@pytest.mark.parametrize("config", list(CONFIGS)[:4])
 @pytest.mark.parametrize("dim", [64, 128])
 def test_skip_counts_match_reference(dim, config):
     from diffusers_trtllm.kernels.gluon_attn import gluon_attention
@@ -65,7 +71,7 @@ def test_skip_counts_match_reference(dim, config):
     assert none.skipped_tiles == 0
 
 
-@pytest.mark.parametrize("config", CONFIGS[:2])
+@pytest.mark.parametrize("config", list(CONFIGS)[:3])
 @pytest.mark.parametrize("skip", [None, 0.02])
 @pytest.mark.parametrize("dim", [64, 128])
 def test_int8_sage_matches_reference(dim, skip, config):

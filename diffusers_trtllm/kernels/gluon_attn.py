@@ -49,14 +49,19 @@ class GluonConfig:
     consumer_regs: int = 232
     #: Kernel-wide register cap, from which the default partition gets what is left.
     maxnreg: int = 168
-    #: Issue ``Q K^T`` of the next tile before this tile's softmax (FA3's intra-warpgroup overlap).
-    lookahead: bool = False
+    #: Order of work inside a consumer (``SCHEDULES``): ``"inorder"`` (Q K^T, softmax, P V, each waited),
+    #: ``"lookahead"`` (Q K^T of tile j + 1 runs during tile j's softmax) or ``"fa3"`` (FA3's
+    #: intra-warpgroup pipelining: Q K^T of tile j and P V of tile j - 1 run during tile j's softmax).
+    schedule: str = "inorder"
 
 
 _TUNED: dict[str, GluonConfig] = {
     "dense": GluonConfig(64, 128, 2, 2),
     "int8": GluonConfig(64, 128, 3, 2),
 }
+
+
+SCHEDULES = ("inorder", "lookahead", "fa3")
 
 
 def default_config(qk_kind: str) -> GluonConfig:
@@ -217,12 +222,85 @@ if gluon is not None:
         return acc, l_i, m_i, n_skipped
 
     @gluon.jit
+    def _fa3_loop(acc, l_i, m_i, n_skipped, q_smem, k_bufs, v_bufs, k_ready, v_ready, empty, q_row_scale,
+                  row_ok, k_scale_ptr, k_scale_first, kv_len, log2_lam, s_layout: gl.constexpr,
+                  o_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                  QUANT: gl.constexpr, K_BS: gl.constexpr, SKIP: gl.constexpr):
+        """Every KV tile, FA3's intra-warpgroup pipelining: while tile ``j``'s softmax runs, the tensor
+        cores hold ``Q K^T`` of tile ``j`` (waited first) and ``P V`` of tile ``j - 1``.
+
+        ``P`` of the last kept tile waits in registers (``p_prev``) for the next iteration; the
+        accumulator is rescaled by tile ``j``'s ``alpha`` once ``P V`` of tile ``j - 1`` is done,
+        so ``acc = (acc + P_{j-1} V_{j-1}) * alpha_j`` as in the in-order schedule. A stage is
+        released once its ``P V`` (or, for a skipped tile, its V load) is done.
+        """
+        p_dtype: gl.constexpr = gl.bfloat16 if QUANT == 0 else gl.float8e4nv
+        p_layout: gl.constexpr = gl.DotOperandLayout(0, o_layout, 2 if QUANT == 0 else 4)
+        n_tiles = gl.cdiv(kv_len, BLOCK_N)
+        p_prev = gl.convert_layout(gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout).to(p_dtype), p_layout)
+        keep_prev = n_tiles < 0  # False, as a tensor: it is loop-carried
+        for j in range(n_tiles):
+            st = j % STAGES
+            ph = (j // STAGES) & 1
+            jp = gl.maximum(j - 1, 0)
+            stp = jp % STAGES
+            mbarrier.wait(k_ready.index(st), ph)
+            s_tok = _qk_issue(q_smem, k_bufs.index(st), s_layout, BLOCK_M, BLOCK_N, QUANT)
+            mbarrier.wait(v_ready.index(stp), (jp // STAGES) & 1, pred=j > 0)
+            if keep_prev:
+                if QUANT == 0:
+                    acc = warpgroup_mma(p_prev, v_bufs.index(stp), acc, is_async=True)
+                else:
+                    acc = warpgroup_mma(p_prev, v_bufs.index(stp).permute((1, 0)), acc, is_async=True)
+                s, acc = warpgroup_mma_wait(1, deps=(s_tok, acc))  # Q K^T done; P V still in flight
+            else:
+                s = warpgroup_mma_wait(0, deps=(s_tok, ))
+            s = _qk_finish(s, kv_len, j * BLOCK_N, k_scale_ptr, k_scale_first, s_layout, BLOCK_N, QUANT, K_BS, False)
+            if (j + 1) * BLOCK_N > kv_len:  # the ragged last tile
+                cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+                s = gl.where(gl.expand_dims(cols < kv_len, 0), s, _NEG_INF)
+            local = _max_nan(s, 1)
+            keep = j >= 0
+            if SKIP:
+                excess = _max_nan(gl.where(row_ok, (local - m_i) * q_row_scale, _NEG_INF), 0)
+                keep = (j == 0) | (excess >= log2_lam) | (excess != excess)
+                n_skipped += 1 - keep.to(gl.int32)
+            alpha = gl.full([BLOCK_M], 1.0, gl.float32, gl.SliceLayout(1, s_layout))
+            p = s  # (replaced by the probabilities when the tile is kept)
+            if keep:
+                m_new = gl.maximum(m_i, local)
+                alpha = gl.exp2((m_i - m_new) * q_row_scale)
+                if QUANT == 0:
+                    p = gl.exp2((s - gl.expand_dims(m_new, 1)) * gl.expand_dims(q_row_scale, 1))
+                else:  # 448 * p, ready for the fp8 cast; l carries the same factor
+                    p = gl.exp2((s - gl.expand_dims(m_new, 1)) * gl.expand_dims(q_row_scale, 1) + _LOG2_P_SCALE)
+                l_i = l_i * alpha + gl.sum(p, 1)
+                m_i = m_new
+            acc = warpgroup_mma_wait(0, deps=(acc, ))  # P V of tile j - 1 done
+            mbarrier.arrive(empty.index(stp), count=1, pred=j > 0)
+            if keep:  # only now: P V of tile j - 1 was reading p_prev's registers
+                p_prev = gl.convert_layout(p.to(p_dtype), p_layout)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+            keep_prev = keep
+        if n_tiles > 0:  # P V of the last tile
+            last = n_tiles - 1
+            mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
+            if keep_prev:
+                if QUANT == 0:
+                    acc = warpgroup_mma(p_prev, v_bufs.index(last % STAGES), acc, is_async=True)
+                else:
+                    acc = warpgroup_mma(p_prev, v_bufs.index(last % STAGES).permute((1, 0)), acc, is_async=True)
+                acc = warpgroup_mma_wait(0, deps=(acc, ))
+            mbarrier.arrive(empty.index(last % STAGES), count=1)
+        return acc, l_i, m_i, n_skipped
+
+    @gluon.jit
     def _consumer(desc_q, out_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, stats_ptr, q_bufs, q_bars,
                   k_bufs, v_bufs, k_ready, v_ready, empty, q_start, q_len, cta_m0, kv_len, head, kv_head,
                   n_q_blocks, n_k_blocks, kv_start, seq, qk_scale, skip_factor, stride_ot, stride_oh,
                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                   QUANT: gl.constexpr, Q_BS: gl.constexpr, K_BS: gl.constexpr, SKIP: gl.constexpr,
-                  STATS: gl.constexpr, LOOKAHEAD: gl.constexpr, WG: gl.constexpr):
+                  STATS: gl.constexpr, SCHEDULE: gl.constexpr, WG: gl.constexpr):
         """Consumer warpgroup ``WG``: its Q tile (rows ``m0 .. m0 + BLOCK_M`` of the sequence) over every KV tile."""
         m0 = cta_m0 + WG * BLOCK_M
         q_smem = q_bufs.index(WG)
@@ -252,7 +330,12 @@ if gluon is not None:
         n_skipped = gl.to_tensor(0)
         mbarrier.wait(q_bar, 0)
 
-        if LOOKAHEAD:
+        if SCHEDULE == 2:
+            acc, l_i, m_i, n_skipped = _fa3_loop(
+                acc, l_i, m_i, n_skipped, q_smem, k_bufs, v_bufs, k_ready, v_ready, empty, q_row_scale, row_ok,
+                k_scale_ptr, k_scale_first, kv_len, log2_lam, s_layout, o_layout,
+                BLOCK_M, BLOCK_N, STAGES, QUANT, K_BS, SKIP)
+        elif SCHEDULE == 1:
             acc, l_i, m_i, n_skipped = _lookahead_loop(
                 acc, l_i, m_i, n_skipped, q_smem, k_bufs, v_bufs, k_ready, v_ready, empty, q_row_scale, row_ok,
                 k_scale_ptr, k_scale_first, kv_len, log2_lam, s_layout, o_layout,
@@ -292,7 +375,7 @@ if gluon is not None:
         H: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
         QUANT: gl.constexpr, Q_BS: gl.constexpr, K_BS: gl.constexpr, SKIP: gl.constexpr, STATS: gl.constexpr,
-        LOOKAHEAD: gl.constexpr,
+        SCHEDULE: gl.constexpr,
     ):
         cta_m0 = gl.program_id(0) * (CONSUMERS * BLOCK_M)
         seq = gl.program_id(1) // H
@@ -327,11 +410,11 @@ if gluon is not None:
                 (_consumer, (desc_q, out_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, stats_ptr, q_smem, q_bar,
                                k_bufs, v_bufs, k_ready, v_ready, empty, q_start, q_len, cta_m0, kv_len, head, kv_head,
                                n_q_blocks, n_k_blocks, kv_start, seq, qk_scale, skip_factor, stride_ot, stride_oh,
-                               HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QUANT, Q_BS, K_BS, SKIP, STATS, LOOKAHEAD, 0)),
+                               HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QUANT, Q_BS, K_BS, SKIP, STATS, SCHEDULE, 0)),
                 (_consumer, (desc_q, out_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, stats_ptr, q_smem, q_bar,
                                k_bufs, v_bufs, k_ready, v_ready, empty, q_start, q_len, cta_m0, kv_len, head, kv_head,
                                n_q_blocks, n_k_blocks, kv_start, seq, qk_scale, skip_factor, stride_ot, stride_oh,
-                               HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QUANT, Q_BS, K_BS, SKIP, STATS, LOOKAHEAD, 1)),
+                               HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QUANT, Q_BS, K_BS, SKIP, STATS, SCHEDULE, 1)),
                 (_loader, (desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, empty, kv_start, v_start, kv_col, n_tiles,
                            BLOCK_N, STAGES, QUANT)),
             ], [4, 1], [CONSUMER_REGS, 24])
@@ -340,7 +423,7 @@ if gluon is not None:
                 (_consumer, (desc_q, out_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, stats_ptr, q_smem, q_bar,
                                k_bufs, v_bufs, k_ready, v_ready, empty, q_start, q_len, cta_m0, kv_len, head, kv_head,
                                n_q_blocks, n_k_blocks, kv_start, seq, qk_scale, skip_factor, stride_ot, stride_oh,
-                               HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QUANT, Q_BS, K_BS, SKIP, STATS, LOOKAHEAD, 0)),
+                               HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QUANT, Q_BS, K_BS, SKIP, STATS, SCHEDULE, 0)),
                 (_loader, (desc_k, desc_v, k_bufs, v_bufs, k_ready, v_ready, empty, kv_start, v_start, kv_col, n_tiles,
                            BLOCK_N, STAGES, QUANT)),
             ], [1], [24])
@@ -413,7 +496,7 @@ def gluon_attention(
         H=heads, GROUP=heads // kv_heads, HEAD_DIM=dim, BLOCK_M=bm, BLOCK_N=bn,
         STAGES=cfg.stages, CONSUMERS=cfg.consumers, CONSUMER_REGS=cfg.consumer_regs,
         QUANT=1 if sage else 0, Q_BS=block_sizes[0], K_BS=block_sizes[1],
-        SKIP=skip_factor is not None, STATS=collect_stats and skip_factor is not None, LOOKAHEAD=cfg.lookahead,
+        SKIP=skip_factor is not None, STATS=collect_stats and skip_factor is not None, SCHEDULE=SCHEDULES.index(cfg.schedule),
         num_warps=4, maxnreg=cfg.maxnreg,
     )
     return tile_output(out, stats, layout, heads, bm, bn, collect_stats, skip_factor)
@@ -447,7 +530,7 @@ def compile_sm90(variant: str, head_dim: int = 128, config: GluonConfig | None =
     constexprs = dict(H=heads, GROUP=heads // kv_heads, HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                       STAGES=cfg.stages, CONSUMERS=cfg.consumers, CONSUMER_REGS=cfg.consumer_regs,
                       QUANT=quant, Q_BS=1, K_BS=16 if quant else 1, SKIP=skip, STATS=skip,
-                      LOOKAHEAD=cfg.lookahead)
+                      SCHEDULE=SCHEDULES.index(cfg.schedule))
     names = _attn_fwd.arg_names
     signature = {name: mangle_type(arg) for name, arg in zip(names, runtime)}
     signature.update({name: "constexpr" for name in constexprs})
