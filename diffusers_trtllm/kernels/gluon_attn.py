@@ -13,7 +13,9 @@ explicitly instead of left to Triton's pipeliner:
   tile: async ``warpgroup_mma`` for ``Q K^T``, the softmax / skip decision in registers,
   then ``warpgroup_mma`` for ``P V`` with P from registers. With two consumers the
   warp scheduler interleaves one warpgroup's softmax with the other's tensor-core
-  work (FA3's ping-pong, without explicit named-barrier ordering).
+  work (FA3's ping-pong, without explicit named-barrier ordering). ``GluonConfig.schedule``
+  picks the order inside a consumer: in order, with the next ``Q K^T`` in flight during the
+  softmax (``lookahead``), or FA3's intra-warpgroup pipelining (``fa3``).
 
 The skip rule's tiles are ``BLOCK_M x BLOCK_N`` (one consumer's Q tile by one KV tile),
 so the reference with ``tile_q = BLOCK_M, tile_kv = BLOCK_N`` counts the same tiles.
