@@ -149,32 +149,51 @@ if gluon is not None:
         return s
 
     @gluon.jit
-    def _update(j, s, acc, l_i, m_i, n_skipped, v_bufs, v_ready, empty, st, ph, q_row_scale, row_ok, log2_lam,
-                o_layout: gl.constexpr, QUANT: gl.constexpr, SKIP: gl.constexpr):
-        """Skip decision, online-softmax update and ``P V`` for tile ``j`` (stage ``st``), then release the stage."""
-        local = _max_nan(s, 1)  # NaN rows stay NaN, so the skip rule keeps their tiles (as the reference)
+    def _skip_decision(j, local, m_i, n_skipped, q_row_scale, row_ok, log2_lam, SKIP: gl.constexpr):
+        """The skip rule for tile ``j`` (the first tile is always kept), and the running count of skips.
+
+        Without ``SKIP`` it is the constant ``True``, so callers' ``if keep:`` vanish at compile time.
+        """
         keep = True
         if SKIP:
             excess = _max_nan(gl.where(row_ok, (local - m_i) * q_row_scale, _NEG_INF), 0)
             keep = (j == 0) | (excess >= log2_lam) | (excess != excess)
             n_skipped += 1 - keep.to(gl.int32)
+        return keep, n_skipped
+
+    @gluon.jit
+    def _softmax(s, local, m_i, l_i, q_row_scale, QUANT: gl.constexpr):
+        """Online-softmax step: probabilities (``448 * p`` for SAGE, whose l carries the same factor),
+        the rescale factor of what came before, and the new running sum and max."""
+        m_new = gl.maximum(m_i, local)
+        alpha = gl.exp2((m_i - m_new) * q_row_scale)
+        if QUANT == 0:
+            p = gl.exp2((s - gl.expand_dims(m_new, 1)) * gl.expand_dims(q_row_scale, 1))
+        else:
+            p = gl.exp2((s - gl.expand_dims(m_new, 1)) * gl.expand_dims(q_row_scale, 1) + _LOG2_P_SCALE)
+        return p, alpha, l_i * alpha + gl.sum(p, 1), m_new
+
+    @gluon.jit
+    def _pv_issue(p_op, v_buf, acc, QUANT: gl.constexpr):
+        """Start ``P V`` on the tensor cores (V tile ``[BLOCK_N, D]``, or SAGE's ``V^T`` tile ``[D, BLOCK_N]``)."""
+        if QUANT == 0:
+            return warpgroup_mma(p_op, v_buf, acc, is_async=True)
+        else:
+            return warpgroup_mma(p_op, v_buf.permute((1, 0)), acc, is_async=True)
+
+    @gluon.jit
+    def _update(j, s, acc, l_i, m_i, n_skipped, v_bufs, v_ready, empty, st, ph, q_row_scale, row_ok, log2_lam,
+                o_layout: gl.constexpr, QUANT: gl.constexpr, SKIP: gl.constexpr):
+        """Skip decision, online-softmax update and ``P V`` for tile ``j`` (stage ``st``), then release the stage."""
+        local = _max_nan(s, 1)  # NaN rows stay NaN, so the skip rule keeps their tiles (as the reference)
+        keep, n_skipped = _skip_decision(j, local, m_i, n_skipped, q_row_scale, row_ok, log2_lam, SKIP)
         mbarrier.wait(v_ready.index(st), ph)  # also when skipped: the stage is refilled only after its loads land
         if keep:
-            m_new = gl.maximum(m_i, local)
-            alpha = gl.exp2((m_i - m_new) * q_row_scale)
-            if QUANT == 0:
-                p = gl.exp2((s - gl.expand_dims(m_new, 1)) * gl.expand_dims(q_row_scale, 1))
-            else:  # 448 * p, ready for the fp8 cast; l carries the same factor
-                p = gl.exp2((s - gl.expand_dims(m_new, 1)) * gl.expand_dims(q_row_scale, 1) + _LOG2_P_SCALE)
-            l_i = l_i * alpha + gl.sum(p, 1)
-            m_i = m_new
+            p, alpha, l_i, m_i = _softmax(s, local, m_i, l_i, q_row_scale, QUANT)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-            if QUANT == 0:
-                p_op = gl.convert_layout(p.to(gl.bfloat16), gl.DotOperandLayout(0, o_layout, 2))
-                acc = warpgroup_mma(p_op, v_bufs.index(st), acc, is_async=True)
-            else:
-                p_op = gl.convert_layout(p.to(gl.float8e4nv), gl.DotOperandLayout(0, o_layout, 4))
-                acc = warpgroup_mma(p_op, v_bufs.index(st).permute((1, 0)), acc, is_async=True)
+            p_op = gl.convert_layout(p.to(gl.bfloat16 if QUANT == 0 else gl.float8e4nv),
+                                     gl.DotOperandLayout(0, o_layout, 2 if QUANT == 0 else 4))
+            acc = _pv_issue(p_op, v_bufs.index(st), acc, QUANT)
             acc = warpgroup_mma_wait(0, deps=(acc, ))
         mbarrier.arrive(empty.index(st), count=1)
         return acc, l_i, m_i, n_skipped
@@ -250,10 +269,7 @@ if gluon is not None:
             s_tok = _qk_issue(q_smem, k_bufs.index(st), s_layout, BLOCK_M, BLOCK_N, QUANT)
             mbarrier.wait(v_ready.index(stp), (jp // STAGES) & 1, pred=j > 0)
             if keep_prev:
-                if QUANT == 0:
-                    acc = warpgroup_mma(p_prev, v_bufs.index(stp), acc, is_async=True)
-                else:
-                    acc = warpgroup_mma(p_prev, v_bufs.index(stp).permute((1, 0)), acc, is_async=True)
+                acc = _pv_issue(p_prev, v_bufs.index(stp), acc, QUANT)
                 s, acc = warpgroup_mma_wait(1, deps=(s_tok, acc))  # Q K^T done; P V still in flight
             else:
                 s = warpgroup_mma_wait(0, deps=(s_tok, ))
@@ -262,36 +278,22 @@ if gluon is not None:
                 cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
                 s = gl.where(gl.expand_dims(cols < kv_len, 0), s, _NEG_INF)
             local = _max_nan(s, 1)
-            keep = j >= 0
-            if SKIP:
-                excess = _max_nan(gl.where(row_ok, (local - m_i) * q_row_scale, _NEG_INF), 0)
-                keep = (j == 0) | (excess >= log2_lam) | (excess != excess)
-                n_skipped += 1 - keep.to(gl.int32)
+            keep, n_skipped = _skip_decision(j, local, m_i, n_skipped, q_row_scale, row_ok, log2_lam, SKIP)
             alpha = gl.full([BLOCK_M], 1.0, gl.float32, gl.SliceLayout(1, s_layout))
             p = s  # (replaced by the probabilities when the tile is kept)
             if keep:
-                m_new = gl.maximum(m_i, local)
-                alpha = gl.exp2((m_i - m_new) * q_row_scale)
-                if QUANT == 0:
-                    p = gl.exp2((s - gl.expand_dims(m_new, 1)) * gl.expand_dims(q_row_scale, 1))
-                else:  # 448 * p, ready for the fp8 cast; l carries the same factor
-                    p = gl.exp2((s - gl.expand_dims(m_new, 1)) * gl.expand_dims(q_row_scale, 1) + _LOG2_P_SCALE)
-                l_i = l_i * alpha + gl.sum(p, 1)
-                m_i = m_new
+                p, alpha, l_i, m_i = _softmax(s, local, m_i, l_i, q_row_scale, QUANT)
             acc = warpgroup_mma_wait(0, deps=(acc, ))  # P V of tile j - 1 done
             mbarrier.arrive(empty.index(stp), count=1, pred=j > 0)
             if keep:  # only now: P V of tile j - 1 was reading p_prev's registers
                 p_prev = gl.convert_layout(p.to(p_dtype), p_layout)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-            keep_prev = keep
+            keep_prev = gl.to_tensor(keep)
         if n_tiles > 0:  # P V of the last tile
             last = n_tiles - 1
             mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
             if keep_prev:
-                if QUANT == 0:
-                    acc = warpgroup_mma(p_prev, v_bufs.index(last % STAGES), acc, is_async=True)
-                else:
-                    acc = warpgroup_mma(p_prev, v_bufs.index(last % STAGES).permute((1, 0)), acc, is_async=True)
+                acc = _pv_issue(p_prev, v_bufs.index(last % STAGES), acc, QUANT)
                 acc = warpgroup_mma_wait(0, deps=(acc, ))
             mbarrier.arrive(empty.index(last % STAGES), count=1)
         return acc, l_i, m_i, n_skipped
