@@ -26,6 +26,7 @@ from . import SkipSoftmaxConfig, TrtllmAttnProcessor, calibrate, load_calibratio
 from .bench.timing import cosine, rel_l1
 from .calibrator import GROUP_BY
 from .demo import DEMO_SIZE, build_demo_pipeline, comparison_image, generate, image_rel_l1, install, latent_difference
+from .policy import POLICIES
 from .stats import format_summary
 
 #: Defaults the README quotes; ``--help`` shows them.
@@ -47,6 +48,7 @@ def _processor(args: argparse.Namespace, skip: bool, sage: bool, backend: str) -
         quant=quant,
         backend=backend,
         fallback=args.fallback,
+        policy=args.policy,
         collect_stats=args.collect_stats or backend == "reference",
     )
 
@@ -218,6 +220,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--backend", choices=["auto", *route_names()], default="auto",
                    help="route name or auto (offline demo: auto means reference)")
     p.add_argument("--fallback", choices=["dense"], default=None, help="run dense what no route can honour")
+    p.add_argument("--policy", choices=list(POLICIES), default="auto",
+                   help="auto: run dense where skip/SAGE measured slower (on H100/H200: skip alone without a "
+                        "target_sparsity >= 0.35, SAGE on short sequences); always: run what was asked")
     p.add_argument("--height", type=_checked(int, _positive), default=None,
                    help=f"None: the pipeline's (offline: a multiple of 16 up to 256, None: {DEMO_SIZE})")
     p.add_argument("--width", type=_checked(int, _positive), default=None,

@@ -195,6 +195,7 @@ def test_functional_scalars_checked():
         (["--disabled-until-timestep", "5"], r"argument --disabled-until-timestep: .* \[0.0, 1.0\]; got '5'"),
         (["--target-sparsity", "1.5"], r"argument --target-sparsity"),
         (["--threshold", "abc"], r"argument --threshold: must be a number; got 'abc'"),
+        (["--policy", "never"], r"argument --policy: invalid choice: 'never'"),
     ],
 )
 def test_cli_bad_arguments_are_argparse_errors(argv, needle, capsys):
@@ -215,6 +216,13 @@ def test_cli_help_shows_defaults(capsys):
     from diffusers_trtllm.__main__ import DEFAULT_GATE, DEFAULT_THRESHOLD
 
     assert f"(default: {DEFAULT_THRESHOLD})" in out and f"(default: {DEFAULT_GATE})" in out and "(default: auto)" in out
+
+
+def test_cli_policy_reaches_the_processor():
+    from diffusers_trtllm.__main__ import _processor
+
+    assert _processor(parse_args([]), skip=True, sage=True, backend="auto")._role_settings["self"].policy == "auto"
+    assert _processor(parse_args(["--policy", "always"]), skip=True, sage=False, backend="auto")._role_settings["self"].policy == "always"
 
 
 def test_calibration_json_roundtrip_of_accepted_file(tmp_path):
