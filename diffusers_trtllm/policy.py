@@ -98,11 +98,12 @@ def apply_policy(call: AttentionCall, policy: str = "auto", honour: Collection[s
     if policy == "always" or not _measured_device(call.q.device):
         return PolicyDecision(call)
     kv = call.layout.max_seqlen_kv
+    hopper = device_sm(call.q.device) == 90
     dropped: list[str] = []
     if call.skip_factor is not None and "skip" not in honour and kv <= SHORT_KV:
         dropped.append(f"skip-softmax off: {kv} keys <= {SHORT_KV}, too few tiles to skip")
         call = replace(call, skip_factor=None)
-    if call.quant is not None and "sage" not in honour and device_sm(call.q.device) == 90:
+    if call.quant is not None and "sage" not in honour and hopper:
         int8 = call.quant.dtype_qk == "int8"
         least = SAGE_INT8_MIN_KV_SM90 if int8 else SAGE_MIN_KV_SM90
         if kv < least:
@@ -110,8 +111,7 @@ def apply_policy(call: AttentionCall, policy: str = "auto", honour: Collection[s
             dropped.append(f"SAGE off: {kv} keys < {least}, {why} on SM90")
             call = replace(call, quant=None)
     expected = None if target_sparsity is None else target_sparsity / call.kv_shards
-    if (call.skip_factor is not None and call.quant is None and "skip" not in honour
-            and device_sm(call.q.device) == 90
+    if (call.skip_factor is not None and call.quant is None and "skip" not in honour and hopper
             and (expected is None or expected < SKIP_ALONE_MIN_SPARSITY_SM90)):
         promised = "a bare threshold" if target_sparsity is None else f"target_sparsity {target_sparsity:g}"
         if target_sparsity is not None and call.kv_shards > 1:

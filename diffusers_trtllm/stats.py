@@ -19,7 +19,7 @@ heatmap. They read layers only through ``layer_step_rows`` and each layer's sett
 
 Under context parallelism every process records its own calls: the tables of a rank cover
 its heads (Ulysses) and its queries against every KV shard, one call per shard (ring), and
-the text tables say so on their first line (:func:`rank_line`).
+the text tables say so on their first line (:func:`rank_lines`).
 """
 
 from __future__ import annotations
@@ -174,21 +174,21 @@ def step_table(layers: Iterable[Any]) -> list[dict[str, Any]]:
     ]
 
 
-def rank_line() -> str | None:
-    """Which process's statistics these are, under ``torch.distributed`` with more than one process."""
+def rank_lines() -> list[str]:
+    """A line saying which process's statistics these are, under ``torch.distributed`` with more than
+    one process; no line otherwise."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
-        return None
-    return (f"statistics of rank {dist.get_rank()} of {dist.get_world_size()} only (its heads under Ulysses; "
-            "under ring its queries, one call per KV shard)")
+        return []
+    return [f"statistics of rank {dist.get_rank()} of {dist.get_world_size()} only (its heads under Ulysses; "
+            "under ring its queries, one call per KV shard)"]
 
 
 def format_step_table(rows: list[dict[str, Any]], layers: Iterable[Any] | None = None) -> str:
     """``step_table`` rows as aligned text; with ``layers``, a first line says where the settings came from.
     Under several processes a line first says the table is this rank's."""
-    lines = [line for line in (rank_line(),) if line]
-    lines += [_sources_line(layers)] if layers is not None else []
+    lines = rank_lines() + ([_sources_line(layers)] if layers is not None else [])
     lines.append(f"{'step':>4}  {'t':>6}  {'attention':<13}  {'skipped':>7}  {'SAGE':<8}  route")
     for row in rows:
         t = "   n/a" if row["t"] is None else f"{row['t']:6.3f}"
@@ -290,7 +290,7 @@ def format_summary(layers: Iterable[Any]) -> str:
     names = list(dict.fromkeys(f"{r['layer']} ({r['role']})" for r in rows))
     width = max([len(n) for n in names] + [5])
     cell = {(f"{r['layer']} ({r['role']})", r["step"]): r["skipped_fraction"] for r in rows}
-    lines = [line for line in (rank_line(),) if line]
+    lines = rank_lines()
     lines.append(f"{'layer':<{width}}  " + " ".join(f"{s:>5}" for s in steps))
     for name in names:
         values = [cell.get((name, s)) for s in steps]

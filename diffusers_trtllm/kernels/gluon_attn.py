@@ -34,7 +34,7 @@ import torch
 from ..config import QuantConfig
 from ..layout import PackedLayout
 from ..routes import AttentionCall, Capabilities, device_sm, register_route
-from .triton_attn import LOG2E, TritonAttentionOutput, TritonRoute, check_heads, tile_output
+from .triton_attn import LOG2E, TritonAttentionOutput, TritonRoute, check_heads, rows_view, tile_output
 
 __all__ = ["GluonRoute", "GluonConfig", "gluon_attention", "gluon_missing"]
 
@@ -436,9 +436,7 @@ if gluon is not None:
 def _desc(x: torch.Tensor, block: list[int]):
     """Gluon TMA descriptor over a 2-D view, with the default swizzled layout for ``block``."""
     if x.dim() == 3:
-        if x.stride(2) != 1 or x.stride(1) != x.shape[2] or (x.stride(0) * x.element_size()) % 16 or x.data_ptr() % 16:
-            x = x.contiguous()
-        x = x.view(x.shape[0], -1)
+        x = rows_view(x)
     dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.int8: gl.int8,
              torch.float8_e4m3fn: gl.float8e4nv}[x.dtype]
     return TensorDescriptor.from_tensor(x, block, gl.NVMMASharedLayout.get_default_for(block, dtype))

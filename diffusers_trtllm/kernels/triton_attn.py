@@ -250,11 +250,16 @@ def tile_output(out: torch.Tensor, stats: torch.Tensor, layout: PackedLayout, he
     return TritonAttentionOutput(out, skipped, total, lse)
 
 
-def _rows_desc(x: torch.Tensor, block: list[int]):
-    """TMA descriptor over ``[tokens, heads * dim]`` (a view of ``[tokens, heads, dim]``)."""
+def rows_view(x: torch.Tensor) -> torch.Tensor:
+    """``[tokens, heads * dim]`` view of ``[tokens, heads, dim]`` that TMA can describe (a copy if it cannot)."""
     if x.stride(2) != 1 or x.stride(1) != x.shape[2] or (x.stride(0) * x.element_size()) % 16 or x.data_ptr() % 16:
         x = x.contiguous()
-    return TensorDescriptor.from_tensor(x.view(x.shape[0], -1), block)
+    return x.view(x.shape[0], -1)
+
+
+def _rows_desc(x: torch.Tensor, block: list[int]):
+    """TMA descriptor over ``[tokens, heads * dim]`` (a view of ``[tokens, heads, dim]``)."""
+    return TensorDescriptor.from_tensor(rows_view(x), block)
 
 
 def triton_attention(
