@@ -41,15 +41,16 @@ SAGE_MIN_KV_SM90 = 16384
 
 #: int8 SAGE runs on the project's Triton kernel on SM90, which is slower than fa3 dense at Wan 480p:
 #: 1.09x cuDNN against fa3's 1.12x (32,760 keys), and 1.02x against 1.055x for a whole Wan-14B forward
-#: (benchmarks/results/e2e_h200.md). At 720p (75,600 keys) it ran 1.23x against fa3's 1.11x
+#: (benchmarks/results/e2e_h200_before_policy.md). At 720p (75,600 keys) it ran 1.23x against fa3's 1.11x
 #: (benchmarks/results/triton_h200.md, before the kernel's overflow fixes cost ~6%).
 SAGE_INT8_MIN_KV_SM90 = 65536
 
 
 #: On SM90, skip-softmax without SAGE moves the call from fa3 to FMHAv2 in bf16, slower when nothing
-#: is skipped. Whole Wan forwards on the H200 against fa3 dense (benchmarks/results/e2e_h200.md):
+#: is skipped. Whole Wan forwards on the H200 against fa3 dense (benchmarks/results/e2e_h200_before_policy.md):
 #: 0.90x at 0% skipped (random weights), 1.03x at 44.5% (1.3B) and 1.03x at 52.9% (14B); the line
-#: through them crosses 1.0 at about 34%. So skip alone runs only where a calibrated
+#: through them crosses 1.0 at about 34%. The run after the rule (``skip-always`` in e2e_h200.md and
+#: e2e_h200_small.md) gave 0.90x and 1.02x, a crossing near 40%. So skip alone runs only where a calibrated
 #: ``target_sparsity`` promises at least this much; a bare threshold says nothing of the fraction.
 SKIP_ALONE_MIN_SPARSITY_SM90 = 0.35
 
