@@ -55,8 +55,7 @@ def main() -> int:
     for variant in gluon_attn.VARIANTS:
         for schedule in gluon_attn.SCHEDULES:
             for head_dim in (64, 128):
-                config = replace(gluon_attn.default_config("int8" if variant.startswith("int8") else "dense"),
-                                 schedule=schedule)
+                config = replace(gluon_attn.default_config(variant), schedule=schedule)
                 kernel = gluon_attn.compile_sm90(variant, head_dim, config)
                 ptx = kernel.asm["ptx"]
                 wgmma = collections.Counter(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(\S+?)[ ;]", ptx))

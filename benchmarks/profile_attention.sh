@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Nsight Compute over one attention call per configuration (benchmarks/profile_attention.py):
 # speed of light, pipe utilization (tensor cores, MUFU exp2, FMA), warp stalls, occupancy.
-# On the H200 (carry .whl and .jit): bash benchmarks/profile_attention.sh [--shape NAME]
+# On the H200 (carry .whl and .jit): [PROFILE_CONFIGS="a b"] bash benchmarks/profile_attention.sh [--shape NAME]
 # Writes $OUT/profile_<config>.txt (ncu's report) and $OUT/profile_<config>.csv (raw metrics).
 set -uo pipefail
 source benchmarks/gpu_env.sh
 out=${OUT:-/tmp}
 python3 benchmarks/profile_attention.py "$@"  # builds JIT modules and Triton kernels outside the profiler
-for cfg in $(python3 benchmarks/profile_attention.py --list); do
+for cfg in ${PROFILE_CONFIGS:-$(python3 benchmarks/profile_attention.py --list)}; do
   # The second call's attention kernel: skip the quantizer and the first call's kernels.
   ncu --kernel-name-base function --kernel-name 'regex:_attn_fwd|[Ff]mha|[Pp]refill|[Ff]lash' --launch-skip 1 --launch-count 1 \
       --section SpeedOfLight --section ComputeWorkloadAnalysis --section InstructionStats \

@@ -24,7 +24,7 @@ WGMMA = {
 def _compile(variant, head_dim, schedule):
     from dataclasses import replace
 
-    config = replace(gluon_attn.default_config("int8" if variant.startswith("int8") else "dense"), schedule=schedule)
+    config = replace(gluon_attn.default_config(variant), schedule=schedule)
     try:
         return gluon_attn.compile_sm90(variant, head_dim, config)
     except Exception as exc:  # a Triton without the sm_90 backend, not a kernel bug

@@ -23,23 +23,25 @@ def _hopper_with_gluon():
         pytest.skip("the gluon kernel is written for sm_90")
 
 
-#: Schedules and knobs under test: name -> GluonConfig overrides (the default config first).
+#: Schedules and knobs under test: name -> overrides of ``GluonConfig()`` (two consumers, 2 stages, in order).
+#: The tuned defaults (``gluon_attn._TUNED``) are among the first three, which every test runs.
 CONFIGS = {
-    "default": {},
+    "inorder": {},
+    "three_stages": dict(stages=3),
+    "fa3_three_stages": dict(schedule="fa3", stages=3),
     "fa3": dict(schedule="fa3"),
     "fa3_one_consumer": dict(schedule="fa3", consumers=1, maxnreg=240),
     "lookahead": dict(schedule="lookahead"),
     "one_consumer": dict(consumers=1),
-    "three_stages": dict(stages=3),
 }
 
 
-def _config(name, sage):
+def _config(name):
     from dataclasses import replace
 
-    from diffusers_trtllm.kernels.gluon_attn import default_config
+    from diffusers_trtllm.kernels.gluon_attn import GluonConfig
 
-    return replace(default_config("int8" if sage else "dense"), **CONFIGS[name])
+    return replace(GluonConfig(), **CONFIGS[name])
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
@@ -48,7 +50,7 @@ def test_dense_matches_reference(dim, kv_heads, config):
     from diffusers_trtllm.kernels.gluon_attn import gluon_attention
 
     q, k, v, layout = _inputs(dim, kv_heads=kv_heads)
-    out = gluon_attention(q, k, v, layout, softmax_scale=dim**-0.5, config=_config(config, False)).out
+    out = gluon_attention(q, k, v, layout, softmax_scale=dim**-0.5, config=_config(config)).out
     assert rel_l1(out, _reference(q, k, v, layout).out) < 1e-2
 
 
@@ -58,7 +60,7 @@ def test_skip_counts_match_reference(dim, config):
     from diffusers_trtllm.kernels.gluon_attn import gluon_attention
 
     q, k, v, layout = _inputs(dim, kv_heads=4)
-    cfg = _config(config, False)
+    cfg = _config(config)
     factor = 0.02 * layout.max_seqlen_kv
     res = gluon_attention(q, k, v, layout, softmax_scale=dim**-0.5, skip_factor=factor, collect_stats=True, config=cfg)
     ref = _reference(q, k, v, layout, skip_factor=factor, tile_q=cfg.block_m, tile_kv=cfg.block_n)
@@ -79,7 +81,7 @@ def test_int8_sage_matches_reference(dim, skip, config):
 
     q, k, v, layout = _inputs(dim, kv_heads=4)
     quant = QuantConfig("int8", 1, 16)
-    cfg = _config(config, True)
+    cfg = _config(config)
     factor = None if skip is None else skip * layout.max_seqlen_kv
     res = gluon_attention(q, k, v, layout, softmax_scale=dim**-0.5, skip_factor=factor, quant=quant,
                           collect_stats=True, config=cfg)

@@ -93,8 +93,11 @@ def test_sage_quantization_matches_reference(dtype_qk, blocks):
 def test_lse_matches_reference(dtype_qk, skip):
     """The log-sum-exp ring attention merges by: ``[tokens, heads]`` float32, natural log, per row.
 
-    Dense and skip runs use the dense tiles (128 x 128) so borderline skip decisions match the reference's;
-    rows of a tile whose decision flipped are left out of the comparison."""
+    All runs use 128 x 128 tiles, the reference's. Without SAGE the kernel's log-sum-exp is the
+    reference's up to fp32 rounding (and the odd borderline skip decision). With SAGE the kernel's
+    quantized scores differ from the emulation's by rounding, as its output does (1.5e-2 rel-L1 in
+    ``test_sage_attention_matches_reference``), so both are held to the unquantized log-sum-exp:
+    the kernel's error may be at most 10% above the emulation's own."""
     from diffusers_trtllm.kernels.triton_attn import KernelConfig, triton_attention
 
     q, k, v, layout = _inputs(128, kv_heads=4)
@@ -104,9 +107,41 @@ def test_lse_matches_reference(dtype_qk, skip):
                            collect_stats=True, return_lse=True, config=KernelConfig(block_m=128, block_n=128))
     ref = _reference(q, k, v, layout, skip_factor=factor, quant=quant, tile_q=128, tile_kv=128)
     assert res.lse.shape == ref.lse.shape == (q.shape[0], q.shape[1]) and res.lse.dtype == torch.float32
-    err = (res.lse - ref.lse).abs()
-    assert torch.quantile(err.flatten(), 0.999) < 2e-2 and err.median() < 2e-3, (err.max(), err.median())
     assert res.out.shape == q.shape and (skip is None or res.skipped_tiles > 0)
+    if quant is None:
+        err = (res.lse - ref.lse).abs()
+        assert torch.quantile(err.flatten(), 0.999) < 2e-2 and err.median() < 2e-3, (err.max(), err.median())
+        return
+    exact = _reference(q, k, v, layout, skip_factor=factor, tile_q=128, tile_kv=128).lse
+    ours, emulated = (res.lse - exact).abs(), (ref.lse - exact).abs()
+    assert ours.mean() <= 1.1 * emulated.mean() + 1e-4, (ours.mean(), emulated.mean())
+    assert torch.quantile(ours.flatten(), 0.999) <= 1.1 * torch.quantile(emulated.flatten(), 0.999) + 1e-3
+
+
+@pytest.mark.parametrize("dtype_qk", [None, "int8", "fp8_e4m3"])
+@pytest.mark.parametrize("skip", [None, 0.02])
+def test_kv_halves_merge_by_lse(dtype_qk, skip):
+    """What ring attention does with the log-sum-exp: attention over each half of every sequence's
+    keys, merged by the halves' log-sum-exp, is as close to dense attention as one call over all the keys."""
+    from diffusers_trtllm.kernels.triton_attn import triton_attention
+
+    q, k, v, layout = _inputs(128, kv_heads=4)
+    quant = QuantConfig(dtype_qk, 1, 16) if dtype_qk else None
+    factor = None if skip is None else skip * layout.max_seqlen_kv
+    halves = []
+    for part in (0, 1):
+        ids = torch.cat([torch.arange(s + part * (n // 2), s + (n // 2 if part == 0 else n), device="cuda")
+                         for s, n in zip(layout.cu_seqlens_kv.tolist(), LENS_KV)])
+        lens = [n // 2 if part == 0 else n - n // 2 for n in LENS_KV]
+        half = triton_attention(q, k[ids].contiguous(), v[ids].contiguous(), _layout(LENS_Q, lens),
+                                softmax_scale=128**-0.5, skip_factor=factor, quant=quant, return_lse=True)
+        halves.append(half)
+    lse = torch.logaddexp(halves[0].lse, halves[1].lse)
+    merged = sum(h.out.float() * torch.exp(h.lse - lse)[..., None] for h in halves)
+    whole = triton_attention(q, k, v, layout, softmax_scale=128**-0.5, skip_factor=factor, quant=quant).out
+    dense = _reference(q, k, v, layout).out
+    # Each half quantizes and skips on its own keys, so only the error against dense attention compares.
+    assert rel_l1(merged, dense) <= rel_l1(whole, dense) + 5e-3, (rel_l1(merged, dense), rel_l1(whole, dense))
 
 
 @pytest.mark.parametrize("dtype_qk", ["int8", "fp8_e4m3"])

@@ -57,17 +57,28 @@ class GluonConfig:
     schedule: str = "inorder"
 
 
+#: Per variant (``VARIANTS``), the fastest configuration of the H200 sweep on wan_14b_480p
+#: (``benchmarks/bench_gluon.py``, ``benchmarks/results/gluon_sweep_h200.log``).
 _TUNED: dict[str, GluonConfig] = {
-    "dense": GluonConfig(64, 128, 2, 2),
+    "dense": GluonConfig(64, 128, 3, 2, schedule="fa3"),
+    "skip": GluonConfig(64, 128, 3, 2),
     "int8": GluonConfig(64, 128, 3, 2),
+    "int8_skip": GluonConfig(64, 128, 3, 2),
 }
-
 
 SCHEDULES = ("inorder", "lookahead", "fa3")
 
+#: Kernel variants: name -> (QUANT, SKIP) constexprs.
+VARIANTS: dict[str, tuple[int, bool]] = {"dense": (0, False), "skip": (0, True), "int8": (1, False), "int8_skip": (1, True)}
 
-def default_config(qk_kind: str) -> GluonConfig:
-    return _TUNED[qk_kind]
+
+def variant(sage: bool, skip: bool) -> str:
+    """Name of the kernel variant (``VARIANTS``) for int8 SAGE on/off and skip-softmax on/off."""
+    return ("int8" if sage else "dense") if not skip else ("int8_skip" if sage else "skip")
+
+
+def default_config(variant_name: str) -> GluonConfig:
+    return _TUNED[variant_name]
 
 
 try:  # optional: Gluon's Hopper module appeared in Triton 3.5
@@ -472,7 +483,7 @@ def gluon_attention(
     sage = quant is not None and quant.enabled
     if sage and quant.dtype_qk != "int8":
         raise ValueError(f"the gluon route's SAGE path is int8 QK; got dtype_qk={quant.dtype_qk!r}. Use backend='triton'.")
-    cfg = config or default_config("int8" if sage else "dense")
+    cfg = config or default_config(variant(sage, skip_factor is not None))
     if cfg.stages < 2:
         raise ValueError(f"the gluon kernel needs at least 2 pipeline stages; got {cfg.stages}.")
     bm, bn = cfg.block_m, cfg.block_n
@@ -504,11 +515,7 @@ def gluon_attention(
     return tile_output(out, stats, layout, heads, bm, bn, collect_stats, skip_factor)
 
 
-#: Variants the ahead-of-time check compiles: (QUANT, SKIP).
-VARIANTS: dict[str, tuple[int, bool]] = {"dense": (0, False), "skip": (0, True), "int8": (1, False), "int8_skip": (1, True)}
-
-
-def compile_sm90(variant: str, head_dim: int = 128, config: GluonConfig | None = None):
+def compile_sm90(variant_name: str, head_dim: int = 128, config: GluonConfig | None = None):
     """Compile one kernel variant for sm_90 without a GPU (``triton.compile`` on the AST).
 
     Returns the compiled kernel; ``.asm["ptx"]`` / ``.asm["ttgir"]`` hold its code. Tensor
@@ -519,8 +526,8 @@ def compile_sm90(variant: str, head_dim: int = 128, config: GluonConfig | None =
     from triton.backends.compiler import GPUTarget
     from triton.runtime.jit import mangle_type
 
-    quant, skip = VARIANTS[variant]
-    cfg = config or default_config("int8" if quant else "dense")
+    quant, skip = VARIANTS[variant_name]
+    cfg = config or default_config(variant_name)
     heads, kv_heads, tokens = 4, 2, 1024
     qk = torch.empty(tokens, heads * head_dim, dtype=torch.int8 if quant else torch.bfloat16)
     kv = torch.empty(tokens, kv_heads * head_dim, dtype=qk.dtype)
