@@ -110,9 +110,10 @@ def test_dense_order_on_sm90_follows_the_measured_table(monkeypatch):
         ranked = sorted(order, key=lambda name: get_route(name).priority(call))
         assert tuple(ranked) == order
         assert all(get_route(name).priority(call) < get_route("reference").priority(call) for name in order)
-    # Skip-softmax on SM90 goes to fmha-v2 ahead of every other route.
+    # Skip-softmax without SAGE on SM90 goes to gluon, then fmha-v2, ahead of every other route.
     skip = _call(skip=10.0)
-    assert get_route("fmha-v2").priority(skip) < min(get_route(n).priority(skip) for n in route_names() if n != "fmha-v2")
+    others = min(get_route(n).priority(skip) for n in route_names() if n not in ("gluon", "fmha-v2"))
+    assert get_route("gluon").priority(skip) < get_route("fmha-v2").priority(skip) < others
 
 
 def test_dense_order_off_hopper_keeps_registration_order_with_triton_after_sdpa():

@@ -8,7 +8,8 @@ import torch
 
 from conftest import rel_l1, requires_cuda
 from diffusers_trtllm.config import QuantConfig
-from test_triton_attn_gpu import _inputs, _reference
+from test_triton_attn_gpu import (MAGNITUDES, NONFINITE, ROUTES, _inputs, _reference, check_extreme_magnitudes,
+                                  check_nonfinite_propagation)
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
 
@@ -94,6 +95,26 @@ def test_int8_sage_matches_reference(dim, skip, config):
         assert abs(res.skipped_tiles - ref.skipped_tiles) <= max(2, ref.total_tiles // 500)
     assert rel_l1(res.out, ref.out) < 1.5e-2
     assert rel_l1(res.out, _reference(q, k, v, layout).out) < 0.06
+
+
+#: The triton tests' extremes that the gluon kernel takes: bf16 inputs, int8 SAGE.
+GLUON_ROUTES = [(qk, skip) for qk, skip in ROUTES if qk != "fp8_e4m3"]
+
+
+@pytest.mark.parametrize("dtype_qk,skip", GLUON_ROUTES)
+@pytest.mark.parametrize("magnitude", [m for dtype, m in MAGNITUDES if dtype == torch.bfloat16])
+def test_extreme_magnitudes_stay_finite(magnitude, dtype_qk, skip):
+    from diffusers_trtllm.kernels.gluon_attn import gluon_attention
+
+    check_extreme_magnitudes(gluon_attention, 64, torch.bfloat16, magnitude, dtype_qk, skip)
+
+
+@pytest.mark.parametrize("dtype_qk,skip", GLUON_ROUTES)
+@pytest.mark.parametrize("tensor,value", NONFINITE)
+def test_nonfinite_inputs_propagate(tensor, value, dtype_qk, skip):
+    from diffusers_trtllm.kernels.gluon_attn import gluon_attention
+
+    check_nonfinite_propagation(gluon_attention, 64, tensor, value, dtype_qk, skip)
 
 
 def test_route_runs_by_name_only():

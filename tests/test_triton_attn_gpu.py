@@ -202,33 +202,46 @@ def _extreme_inputs(dtype, magnitude, dim=128):
     return x(sum(lens_q), 8), x(sum(lens_kv), 4), x(sum(lens_kv), 4), _layout(lens_q, lens_kv)
 
 
+NONFINITE = [("q", math.nan), ("k", math.nan), ("v", math.nan), ("k", math.inf)]
+
+
+def check_extreme_magnitudes(attention, tile_q, dtype, magnitude, dtype_qk, skip):
+    """``attention`` (the triton or gluon host function, whose skip tiles are ``tile_q x 128``) stays finite."""
+    q, k, v, layout = _extreme_inputs(dtype, magnitude)
+    quant = QuantConfig(dtype_qk, 1, 16) if dtype_qk else None
+    factor = None if skip is None else skip * layout.max_seqlen_kv
+    out = attention(q, k, v, layout, softmax_scale=128**-0.5, skip_factor=factor, quant=quant).out
+    bad = int((~torch.isfinite(out.float())).sum())
+    assert bad == 0, f"{bad} of {out.numel()} outputs are not finite"
+    ref = _reference(q, k, v, layout, skip_factor=factor, quant=quant, tile_q=tile_q, tile_kv=128)
+    assert torch.isfinite(ref.out.float()).all()
+    assert rel_l1(out, ref.out) < (2e-2 if quant else 1e-2)
+
+
+def check_nonfinite_propagation(attention, tile_q, tensor, value, dtype_qk, skip):
+    """A NaN or inf in q/k/v makes ``attention``'s output non-finite wherever the reference's is."""
+    q, k, v, layout = _extreme_inputs(torch.bfloat16, 1.0)
+    {"q": q, "k": k, "v": v}[tensor][650, 1, 3] = value  # second sequence, past its first KV tile
+    quant = QuantConfig(dtype_qk, 1, 16) if dtype_qk else None
+    factor = None if skip is None else skip * layout.max_seqlen_kv
+    out = attention(q, k, v, layout, softmax_scale=128**-0.5, skip_factor=factor, quant=quant).out
+    ref = _reference(q, k, v, layout, skip_factor=factor, quant=quant, tile_q=tile_q, tile_kv=128)
+    bad_ref, bad = ~torch.isfinite(ref.out.float()), ~torch.isfinite(out.float())
+    assert bad_ref.any()
+    assert not (bad_ref & ~bad).any(), f"{int((bad_ref & ~bad).sum())} outputs finite where the reference's are not"
+
+
 @pytest.mark.parametrize("dtype_qk,skip", ROUTES)
 @pytest.mark.parametrize("dtype,magnitude", MAGNITUDES)
 def test_extreme_magnitudes_stay_finite(dtype, magnitude, dtype_qk, skip):
     from diffusers_trtllm.kernels.triton_attn import triton_attention
 
-    q, k, v, layout = _extreme_inputs(dtype, magnitude)
-    quant = QuantConfig(dtype_qk, 1, 16) if dtype_qk else None
-    factor = None if skip is None else skip * layout.max_seqlen_kv
-    out = triton_attention(q, k, v, layout, softmax_scale=128**-0.5, skip_factor=factor, quant=quant).out
-    bad = int((~torch.isfinite(out.float())).sum())
-    assert bad == 0, f"{bad} of {out.numel()} outputs are not finite"
-    ref = _reference(q, k, v, layout, skip_factor=factor, quant=quant, tile_q=64 if quant else 128, tile_kv=128)
-    assert torch.isfinite(ref.out.float()).all()
-    assert rel_l1(out, ref.out) < (2e-2 if quant else 1e-2)
+    check_extreme_magnitudes(triton_attention, 64 if dtype_qk else 128, dtype, magnitude, dtype_qk, skip)
 
 
 @pytest.mark.parametrize("dtype_qk,skip", ROUTES)
-@pytest.mark.parametrize("tensor,value", [("q", math.nan), ("k", math.nan), ("v", math.nan), ("k", math.inf)])
+@pytest.mark.parametrize("tensor,value", NONFINITE)
 def test_nonfinite_inputs_propagate(tensor, value, dtype_qk, skip):
     from diffusers_trtllm.kernels.triton_attn import triton_attention
 
-    q, k, v, layout = _extreme_inputs(torch.bfloat16, 1.0)
-    {"q": q, "k": k, "v": v}[tensor][650, 1, 3] = value  # second sequence, past its first KV tile
-    quant = QuantConfig(dtype_qk, 1, 16) if dtype_qk else None
-    factor = None if skip is None else skip * layout.max_seqlen_kv
-    out = triton_attention(q, k, v, layout, softmax_scale=128**-0.5, skip_factor=factor, quant=quant).out
-    ref = _reference(q, k, v, layout, skip_factor=factor, quant=quant, tile_q=64 if quant else 128, tile_kv=128)
-    bad_ref, bad = ~torch.isfinite(ref.out.float()), ~torch.isfinite(out.float())
-    assert bad_ref.any()
-    assert not (bad_ref & ~bad).any(), f"{int((bad_ref & ~bad).sum())} outputs finite where the reference's are not"
+    check_nonfinite_propagation(triton_attention, 64 if dtype_qk else 128, tensor, value, dtype_qk, skip)
