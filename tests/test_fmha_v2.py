@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import math
 import types
+from dataclasses import replace
 
 import pytest
 import torch
 
+from fake_fmha_v2 import fake_trtllm_fmha_v2_prefill
 from diffusers_trtllm.kernels import _dense_order, _flashinfer, fa3, fmha_v2
 from diffusers_trtllm.layout import PackedLayout
 from diffusers_trtllm.routes import AttentionCall, get_route, route_names, select_route
@@ -184,3 +186,81 @@ def test_fa3_returns_flashinfer_lse_in_natural_log(monkeypatch):
                 torch.testing.assert_close(result.lse, expected.lse, rtol=1e-5, atol=1e-5)
             else:
                 assert result.lse is None
+
+
+def _ragged_call(lens=(96, 40), heads=2, dim=64, scale=0.1, **kw) -> AttentionCall:
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(sum(lens), heads, dim, generator=gen).to(torch.bfloat16) for _ in range(3))
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    layout = PackedLayout.from_cu_seqlens(cu, cu, max(lens), max(lens), q_tokens=sum(lens), kv_tokens=sum(lens))
+    return AttentionCall(q, k, v, layout, scale, **kw)
+
+
+def test_fmha_v2_lse_from_softmax_stats(monkeypatch):
+    """FlashInfer's contract, faked (``fake_fmha_v2``): stats only when asked, and then in ``CONTIGUOUS_Q_KV``
+    (``SEPARATE_Q_K_V`` would end the process); row max / sqrt(d) and row sum become the reference's LSE.
+    The scale is not 1/sqrt(d), so the conversion's ``bmm1_scale * sqrt(d)`` matters."""
+    from diffusers_trtllm.kernels.reference import reference_attention
+
+    calls: list = []
+    fi = types.SimpleNamespace(prefill=types.SimpleNamespace(trtllm_fmha_v2_prefill=fake_trtllm_fmha_v2_prefill(calls)))
+    monkeypatch.setattr(_flashinfer, "_import", lambda: (fi, None))
+    monkeypatch.setattr(_flashinfer, "jit_built", lambda uri: True)
+    for return_lse in (False, True):
+        call = _ragged_call(return_lse=return_lse)
+        result = get_route("fmha-v2").run(call)
+        (args,) = calls[-1:]
+        assert args["layout"] == ("CONTIGUOUS_Q_KV" if return_lse else "SEPARATE_Q_K_V")
+        assert args["stats"] is return_lse and args["bmm1_scale"] == 0.1
+        layout = call.layout
+        expected = reference_attention(call.q.float(), call.k.float(), call.v.float(), layout.cu_seqlens_q,
+                                       layout.cu_seqlens_kv, layout.q_lens, layout.kv_lens, softmax_scale=0.1)
+        torch.testing.assert_close(result.out.float(), expected.out.float(), rtol=1e-2, atol=1e-2)
+        if return_lse:
+            assert result.lse.shape == call.q.shape[:2] and result.lse.dtype == torch.float32
+            torch.testing.assert_close(result.lse, expected.lse, rtol=1e-5, atol=1e-4)
+        else:
+            assert result.lse is None
+
+
+def test_fmha_v2_lse_needs_sm90_and_the_contiguous_module(fake_flashinfer):
+    route = get_route("fmha-v2")
+    lse = _ragged_call(return_lse=True, kv_shards=2)
+    fake_flashinfer.setattr(_flashinfer, "nvcc_path", lambda: None)
+    fake_flashinfer.setattr(_flashinfer, "jit_built", lambda uri: uri == fmha_v2.module_uri(torch.bfloat16))
+    fake_flashinfer.setattr(fmha_v2, "device_sm", lambda device: 90)
+    assert route.extra_reasons(_ragged_call()) == []
+    (reason,) = route.extra_reasons(lse)
+    assert "trtllm_fmha_v2_contiguous_q_kv_bf16_bf16" in reason
+    fake_flashinfer.setattr(_flashinfer, "jit_built", lambda uri: True)
+    assert route.extra_reasons(lse) == []
+    fake_flashinfer.setattr(fmha_v2, "device_sm", lambda device: 120)
+    (reason,) = route.extra_reasons(lse)
+    assert "softmax stats" in reason and "sm_120" in reason
+
+
+@pytest.mark.parametrize("quant", [None, "fp8_e4m3"])
+def test_ring_skip_calls_choose_the_fmha_v2_routes_on_sm90_as_one_gpu_does(fake_flashinfer, quant):
+    """``backend="auto"`` on SM90 (faked; the CPU tensors count as the GPU's): a ring KV shard (``return_lse``)
+    with skip-softmax, and with fp8 SAGE, goes where the same call goes on one GPU: fmha-v2 (fmha-v2-fp8)."""
+    from diffusers_trtllm.config import QuantConfig
+    from diffusers_trtllm.kernels import fmha_v2_fp8
+    from diffusers_trtllm.routes import _capability_reasons
+
+    fake_flashinfer.setattr(_flashinfer, "jit_built", lambda uri: True)
+    for module in (fmha_v2, fmha_v2_fp8, _dense_order):
+        fake_flashinfer.setattr(module, "device_sm", lambda device: 90)
+
+    def auto_choice(call):
+        def reasons(route):
+            on_cpu = replace(route.caps, device_types=frozenset({"cpu"}))
+            return _capability_reasons(on_cpu, call) or route.extra_reasons(call)
+
+        ranked = sorted((get_route(n) for n in route_names()), key=lambda route: route.priority(call))
+        return next(route.name for route in ranked if route.auto and not reasons(route))
+
+    one = _call(skip=10.0)
+    if quant is not None:
+        one = replace(one, quant=QuantConfig(dtype_qk=quant))
+    ring = replace(one, return_lse=True, kv_shards=2)
+    assert auto_choice(one) == auto_choice(ring) == ("fmha-v2" if quant is None else "fmha-v2-fp8")

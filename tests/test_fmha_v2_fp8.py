@@ -1,9 +1,9 @@
 """CPU tests of the ``fmha-v2-fp8`` route: its contract with FlashInfer, with the kernel replaced.
 
-The fake ``trtllm_fmha_v2_prefill`` has FlashInfer 0.7.4's signature, checks every
+The fake ``trtllm_fmha_v2_prefill`` (``fake_fmha_v2``) has FlashInfer 0.7.4's signature, checks every
 argument the route hands it (layout name, e4m3 tensors in ``CONTIGUOUS_Q_KV``,
 scales, output dtype, mask mode, skip factor) and computes what the kernel computes:
-``softmax(bmm1_scale * q8 @ k8^T) @ v8 * bmm2_scale`` per sequence, in fp32.
+``softmax(bmm1_scale * q8 @ k8^T) @ v8 * bmm2_scale`` per sequence, in fp32, and its softmax stats.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from conftest import rel_l1
+from fake_fmha_v2 import fake_trtllm_fmha_v2_prefill
 from diffusers_trtllm.config import QuantConfig
 from diffusers_trtllm.kernels import _flashinfer, fmha_v2_fp8
 from diffusers_trtllm.kernels.fp8_tensor_quant import quantize_fp8_per_tensor, restore_output
@@ -25,26 +26,15 @@ FP8 = QuantConfig(dtype_qk="fp8_e4m3")
 
 
 def _fake_prefill(calls: list):
-    def trtllm_fmha_v2_prefill(
-        qkv, input_layout, workspace_buffer, seq_lens, max_q_len, max_kv_len, bmm1_scale, bmm2_scale,
-        batch_size, cum_seq_lens_q, cum_seq_lens_kv, block_tables=None, out=None, out_dtype=None, sinks=None,
-        pos_encoding_mode=None, logits_soft_cap_scale=None, mask_mode="causal", window_left=-1,
-        chunked_attention_size=0, save_softmax_stats=False, skip_softmax_threshold_scale_factor=0,
-    ):
+    """FlashInfer's kernel (``fake_fmha_v2``), with the e4m3 ``CONTIGUOUS_Q_KV`` contract checked first."""
+    kernel = fake_trtllm_fmha_v2_prefill(calls)
+
+    def trtllm_fmha_v2_prefill(qkv, input_layout, *args, out_dtype=None, bmm2_scale=1.0, **kwargs):
         q, kv = qkv
-        assert input_layout == "CONTIGUOUS_Q_KV" and mask_mode == "padding"
+        assert input_layout == "CONTIGUOUS_Q_KV"
         assert q.dtype == kv.dtype == torch.float8_e4m3fn and q.is_contiguous() and kv.is_contiguous()
-        assert kv.ndim == 4 and kv.shape[1] == 2 and kv.shape[0] == int(cum_seq_lens_kv[-1])
         assert out_dtype in (torch.bfloat16, torch.float16) and bmm2_scale == 1.0
-        assert isinstance(bmm1_scale, float) and isinstance(max_q_len, int) and isinstance(max_kv_len, int)
-        assert torch.equal(seq_lens, cum_seq_lens_kv[1:] - cum_seq_lens_kv[:-1]) and batch_size == len(seq_lens)
-        calls.append({"bmm1_scale": bmm1_scale, "skip": skip_softmax_threshold_scale_factor, "out_dtype": out_dtype})
-        result = torch.empty(q.shape, dtype=out_dtype)
-        for b in range(batch_size):
-            qs, qe, ks, ke = int(cum_seq_lens_q[b]), int(cum_seq_lens_q[b + 1]), int(cum_seq_lens_kv[b]), int(cum_seq_lens_kv[b + 1])
-            logits = torch.einsum("qhd,khd->hqk", q[qs:qe].float(), kv[ks:ke, 0].float()) * bmm1_scale
-            result[qs:qe] = torch.einsum("hqk,khd->qhd", logits.softmax(-1), kv[ks:ke, 1].float()).to(out_dtype)
-        return result
+        return kernel(qkv, input_layout, *args, out_dtype=out_dtype, bmm2_scale=bmm2_scale, **kwargs)
 
     return trtllm_fmha_v2_prefill
 
@@ -139,3 +129,28 @@ def test_reasons_and_priority(fake_fi, monkeypatch):
 
 def test_module_uri_matches_flashinfer_naming():
     assert fmha_v2_fp8.module_uri(torch.bfloat16) == "trtllm_fmha_v2_contiguous_q_kv_e4m3_bf16"
+
+
+def test_lse_from_softmax_stats_adds_back_k_smoothing(fake_fi):
+    """The kernel's stats (faked) give the LSE of the unquantized logits once K's smoothing mean is added back,
+    so two KV shards, each quantized with its own mean, merge by Diffusers' ring formula into one call's result."""
+    from diffusers_trtllm.bench.ring_skip import merge_by_lse
+
+    q, k, v, layout = _ragged(lens=(128,), dtype=torch.bfloat16)
+    whole = reference_attention(q.float(), k.float(), v.float(), layout.cu_seqlens_q, layout.cu_seqlens_kv,
+                                layout.q_lens, layout.kv_lens, softmax_scale=0.125)
+    route = get_route("fmha-v2-fp8")
+    assert route.run(AttentionCall(q, k, v, layout, 0.125, quant=FP8)).lse is None
+    assert fake_fi[-1]["stats"] is False
+    result = route.run(AttentionCall(q, k, v, layout, 0.125, quant=FP8, return_lse=True))
+    assert fake_fi[-1]["stats"] is True and fake_fi[-1]["layout"] == "CONTIGUOUS_Q_KV"
+    assert result.lse.shape == (128, 2) and result.lse.dtype == torch.float32
+    assert (result.lse - whole.lse).abs().max() < 0.05  # fp8 rounding; unsmoothed, K's mean moves it by ~3
+    parts = []
+    for half in (slice(0, 64), slice(64, 128)):
+        shard = PackedLayout.dense(1, 128, 64, "cpu")
+        res = route.run(AttentionCall(q, k[half], v[half], shard, 0.125, quant=FP8, return_lse=True, kv_shards=2))
+        parts.append((res.out, res.lse))
+    out, lse = merge_by_lse(parts)
+    assert (lse - whole.lse).abs().max() < 0.05
+    assert rel_l1(out, whole.out.float()) < 0.05

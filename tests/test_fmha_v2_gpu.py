@@ -1,6 +1,6 @@
 """GPU tests of the Hopper routes against the reference, on ragged batches packed by the layout module.
 
-``fmha-v2`` dense and skip-softmax, ``fa3`` dense. Inputs come from the
+``fmha-v2`` dense and skip-softmax, ``fa3`` dense; the log-sum-exp of ``fa3``, ``fmha-v2`` and ``fmha-v2-fp8``. Inputs come from the
 benchmark's structured generator, so skip-softmax has tiles to skip. The
 reference runs with fmha-v2's tiles (64 query rows x its KV step).
 """
@@ -24,11 +24,11 @@ HEADS, DIM, SEQ = 4, 128, 1536
 KV_VALID = (1536, 1000, 700)
 
 
-def _hopper_route(name: str) -> None:
+def _hopper_route(name: str, **call) -> None:
     if device_sm(torch.device("cuda")) != 90:
         pytest.skip("needs an SM90 GPU (H100/H200)")
     x = torch.zeros(8, 1, DIM, device="cuda", dtype=torch.bfloat16)
-    reasons = get_route(name).not_supported_reasons(AttentionCall(x, x, x, PackedLayout.dense(1, 8, 8, "cuda"), 0.1))
+    reasons = get_route(name).not_supported_reasons(AttentionCall(x, x, x, PackedLayout.dense(1, 8, 8, "cuda"), 0.1, **call))
     if reasons:
         pytest.skip(f"{name} cannot run here: {reasons}")
 
@@ -64,7 +64,8 @@ def _reference(q, k, v, layout, lam: float | None):
 
 def _run(q, k, v, layout, backend: str, lam: float | None = None):
     skip = None if lam is None else SkipSoftmaxConfig(threshold=lam)
-    out, result = run_attention(q, k, v, layout=layout, skip=skip, backend=backend)
+    # policy="always": on SM90 the default policy runs a bare threshold dense (policy.py, skip alone)
+    out, result = run_attention(q, k, v, layout=layout, skip=skip, backend=backend, policy="always")
     assert result.route == backend
     return out.float()
 
@@ -149,3 +150,43 @@ def test_fa3_lse_matches_reference(batch):
                               softmax_scale=q.shape[-1] ** -0.5)
     lse = layout.pack_q(result.lse[..., None])[..., 0]
     assert (lse - ref.lse).abs().max() < 2e-2, (lse - ref.lse).abs().max()
+
+
+@pytest.mark.parametrize("backend", ["fmha-v2", "fmha-v2-fp8"])
+@pytest.mark.parametrize("lam", [None, 1e-2])
+def test_fmha_v2_lse_matches_reference(backend, lam):
+    """Ring attention's log-sum-exp from FMHAv2's softmax stats (``CONTIGUOUS_Q_KV``) on a ragged batch of
+    equal-length sequences, against the reference's with fmha-v2's tiles and the same skip rule. Decides the
+    reading of the stats in ``kernels/fmha_v2.py`` (row max of ``q . k`` over ``sqrt(d)``, natural-units sum):
+    in fp8 ``bmm1_scale`` is far from ``1/sqrt(d)``, so a wrong reading would miss by whole units, far beyond
+    fp8's rounding of logits up to ~30 (the fp8 bounds below)."""
+    from diffusers_trtllm.config import QuantConfig
+
+    fp8 = backend == "fmha-v2-fp8"
+    quant = {"dtype_qk": "fp8_e4m3"} if fp8 else None
+    _hopper_route(backend, quant=QuantConfig(**quant) if fp8 else None, return_lse=True)
+    q, k, v, layout = _ragged_inputs()
+    skip = None if lam is None else SkipSoftmaxConfig(threshold=lam)
+
+    def lse_of(skip):
+        out, result = run_attention(q, k, v, layout=layout, skip=skip, quant=quant, backend=backend,
+                                    return_lse=True, policy="always")
+        assert result.route == backend and result.lse.shape == q.shape[:3] and result.lse.dtype == torch.float32
+        return out, layout.pack_q(result.lse[..., None])[..., 0]
+
+    out, lse = lse_of(skip)
+    ref = reference_attention(layout.pack_q(q).float(), layout.pack_kv(k).float(), layout.pack_kv(v).float(),
+                              layout.cu_seqlens_q, layout.cu_seqlens_kv, layout.q_lens, layout.kv_lens,
+                              softmax_scale=q.shape[-1] ** -0.5, skip_factor=None if lam is None else lam * layout.max_seqlen_kv,
+                              tile_q=Q_STEP, tile_kv=kv_step(q.shape[-1]))
+    diff = (lse - ref.lse).abs()
+    print(f"{backend} lambda={lam}: skipped {ref.skipped_fraction:.2f}, LSE |diff| max {diff.max():.4f} "
+          f"median {diff.median():.5f}, output rel-L1 {rel_l1(_valid(out.float(), layout), ref.out.float()):.4f}")
+    assert not lse.isnan().any()
+    if lam is None:
+        assert diff.max() < (0.3 if fp8 else 2e-2) and diff.median() < (5e-2 if fp8 else 5e-3)
+    else:  # a tile at the threshold may be skipped by one and kept by the other (bf16 vs fp32 maxima)
+        assert ref.skipped_fraction > 0.1
+        assert diff.median() < (5e-2 if fp8 else 5e-3) and diff.max() < (0.5 if fp8 else 0.2)
+        _, dense = lse_of(None)
+        assert (lse - dense).max() < (0.05 if fp8 else 1e-2)  # skipped keys only lower the LSE

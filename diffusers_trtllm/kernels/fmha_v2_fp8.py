@@ -11,6 +11,11 @@ granularity, set the error (docs/design.md, "fp8 on FMHAv2", has the measurement
 ``backend="auto"`` prefers this route for fp8 SAGE on SM90 because it is the fastest
 and, measured there, as accurate as the per-block emulation. The skip rule and its
 tiles are fmha-v2's (64 query rows x 128 keys at head dim 128).
+
+The log-sum-exp (ring attention) comes from the kernel's softmax stats as in ``fmha_v2``
+(its docstring has the reading of FlashInfer's source), with ``bmm1_scale`` including Q's and
+K's dequantization; K's smoothing moved every logit of a row by ``-softmax_scale * q . mean``,
+which ``restore_lse`` adds back, so KV shards quantized apart still merge.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import torch
 from ..routes import AttentionCall, AttentionResult, Capabilities, Route, device_sm, register_route
 from . import fmha_v2
 from ._dense_order import PREFERRED
-from .fp8_tensor_quant import quantize_fp8_per_tensor, restore_output
+from .fp8_tensor_quant import quantize_fp8_per_tensor, restore_lse, restore_output
 
 __all__ = ["FmhaV2Fp8Route", "module_uri"]
 
@@ -40,6 +45,7 @@ class FmhaV2Fp8Route(Route):
         skip_softmax=True,
         sage_dtypes=frozenset({"fp8_e4m3"}),
         grouped_query=False,  # the bf16 kernels gave NaNs with grouped-query heads (measured on H200)
+        lse=True,
     )
 
     def extra_reasons(self, call: AttentionCall) -> list[str]:
@@ -53,7 +59,7 @@ class FmhaV2Fp8Route(Route):
 
     def run(self, call: AttentionCall) -> AttentionResult:
         quant = quantize_fp8_per_tensor(call.q, call.k, call.v)
-        out = fmha_v2.prefill(
+        out, lse = fmha_v2.prefill(
             (quant.q, quant.kv),
             "CONTIGUOUS_Q_KV",
             call,
@@ -61,7 +67,9 @@ class FmhaV2Fp8Route(Route):
             bmm1_scale=call.softmax_scale * quant.qk_scale,
             out_dtype=call.q.dtype,
         )
-        return AttentionResult(restore_output(out, quant), self.name)
+        if lse is not None:
+            lse = restore_lse(lse, call.q, quant, call.softmax_scale)
+        return AttentionResult(restore_output(out, quant), self.name, lse=lse)
 
 
 register_route(FmhaV2Fp8Route())

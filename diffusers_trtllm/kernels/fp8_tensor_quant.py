@@ -25,7 +25,7 @@ import torch
 
 from .reference import AMAX_FLOOR, FP8_MAX
 
-__all__ = ["Fp8TensorQuant", "quantize_fp8_per_tensor", "restore_output"]
+__all__ = ["Fp8TensorQuant", "quantize_fp8_per_tensor", "restore_output", "restore_lse"]
 
 
 @dataclass
@@ -37,6 +37,7 @@ class Fp8TensorQuant:
     qk_scale: float  # scale_q * scale_k, to fold into bmm1_scale
     v_scale: torch.Tensor  # [kv_heads, dim] float32
     v_mean: torch.Tensor  # [kv_heads, dim] float32
+    k_mean: torch.Tensor  # [kv_heads, dim] float32
 
 
 def _centered_amax(x: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
@@ -66,15 +67,25 @@ def quantize_fp8_per_tensor(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -
         q8 = _to_fp8(q.float() / qk_scales[0])
         kv8 = torch.stack([_to_fp8((k.float() - k_mean) / qk_scales[1]), _to_fp8((v.float() - v_mean) / v_scale)], dim=1)
     q_scale, k_scale = qk_scales.tolist()  # the one host sync, with the quantizer already queued
-    return Fp8TensorQuant(q8, kv8, q_scale * k_scale, v_scale, v_mean)
+    return Fp8TensorQuant(q8, kv8, q_scale * k_scale, v_scale, v_mean, k_mean)
+
+
+def _per_q_head(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """A ``[kv_heads, dim]`` statistic repeated for the query heads each KV head serves."""
+    return x.repeat_interleave(heads // x.shape[0], dim=0)
 
 
 def restore_output(out: torch.Tensor, quant: Fp8TensorQuant) -> torch.Tensor:
     """Undo V's smoothing and per-channel scale on the kernel's ``[tokens, heads, dim]`` output."""
-    heads, kv_heads = out.shape[1], quant.v_scale.shape[0]
-    scale = quant.v_scale.repeat_interleave(heads // kv_heads, dim=0)
-    mean = quant.v_mean.repeat_interleave(heads // kv_heads, dim=0)
+    scale, mean = (_per_q_head(x, out.shape[1]) for x in (quant.v_scale, quant.v_mean))
     return torch.addcmul(mean.to(out.dtype), out, scale.to(out.dtype))
+
+
+def restore_lse(lse: torch.Tensor, q: torch.Tensor, quant: Fp8TensorQuant, softmax_scale: float) -> torch.Tensor:
+    """Undo K's smoothing on the kernel's ``[tokens, heads]`` log-sum-exp: every logit of a row was
+    lowered by ``softmax_scale * q . k_mean`` (``q``: the unquantized ``[tokens, heads, dim]`` queries)."""
+    k_mean = _per_q_head(quant.k_mean, q.shape[1])
+    return lse + softmax_scale * torch.einsum("thd,hd->th", q.float(), k_mean)
 
 
 try:  # the fused CUDA quantizer; without Triton the torch path above runs everywhere
