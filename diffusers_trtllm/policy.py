@@ -60,8 +60,8 @@ SKIP_ALONE_MIN_SPARSITY_SM90 = 0.35
 # skips about ``1 / ring_degree`` of what one process skips (structured inputs, reference route,
 # ``bench.ring_skip``; docs/design.md "Context parallelism"), so the fraction a calibrated
 # ``target_sparsity`` promises is divided by the number of KV shards (``AttentionCall.kv_shards``)
-# before the skip-alone rule. (Under ring, dense runs on fa3 and skip-softmax on a route that returns
-# the log-sum-exp; the 35% line was measured for gluon and FMHAv2, so it is a lower bound there.)
+# before the skip-alone rule. (Under ring, skip alone runs on FMHAv2, which returns the log-sum-exp from
+# its softmax stats (gluon does not return it); the 35% line was measured there.)
 
 
 @dataclass(frozen=True)
