@@ -161,6 +161,7 @@ def test_fmha_v2_lse_matches_reference(backend, lam):
     in fp8 ``bmm1_scale`` is far from ``1/sqrt(d)``, so a wrong reading would miss by whole units, far beyond
     fp8's rounding of logits up to ~30 (the fp8 bounds below)."""
     from diffusers_trtllm.config import QuantConfig
+    from diffusers_trtllm.kernels import fmha_v2_fp8
 
     fp8 = backend == "fmha-v2-fp8"
     quant = {"dtype_qk": "fp8_e4m3"} if fp8 else None
@@ -178,7 +179,7 @@ def test_fmha_v2_lse_matches_reference(backend, lam):
     ref = reference_attention(layout.pack_q(q).float(), layout.pack_kv(k).float(), layout.pack_kv(v).float(),
                               layout.cu_seqlens_q, layout.cu_seqlens_kv, layout.q_lens, layout.kv_lens,
                               softmax_scale=q.shape[-1] ** -0.5, skip_factor=None if lam is None else lam * layout.max_seqlen_kv,
-                              tile_q=Q_STEP, tile_kv=kv_step(q.shape[-1]))
+                              tile_q=Q_STEP, tile_kv=(fmha_v2_fp8.kv_step if fp8 else kv_step)(q.shape[-1]))
     diff = (lse - ref.lse).abs()
     print(f"{backend} lambda={lam}: skipped {ref.skipped_fraction:.2f}, LSE |diff| max {diff.max():.4f} "
           f"median {diff.median():.5f}, output rel-L1 {rel_l1(_valid(out.float(), layout), ref.out.float()):.4f}")

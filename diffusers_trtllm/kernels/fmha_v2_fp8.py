@@ -9,8 +9,10 @@ the kernel) instead of SAGE's per-block scales: ``q_block_size`` and
 ``k_block_size`` do not apply here. fp8's three mantissa bits, not the scale
 granularity, set the error (docs/design.md, "fp8 on FMHAv2", has the measurement);
 ``backend="auto"`` prefers this route for fp8 SAGE on SM90 because it is the fastest
-and, measured there, as accurate as the per-block emulation. The skip rule and its
-tiles are fmha-v2's (64 query rows x 128 keys at head dim 128).
+and, measured there, as accurate as the per-block emulation. The skip rule is fmha-v2's;
+its tiles are 64 query rows x ``kv_step(head_dim)`` keys (FlashInfer 0.7.4's e4m3 kernels
+step 256 keys up to head dim 128: ``jit/attention/fmha_v2/fmha_library.py``,
+``generate_kernel_spec``).
 
 The log-sum-exp (ring attention) comes from the kernel's softmax stats as in ``fmha_v2``
 (its docstring has the reading of FlashInfer's source), with ``bmm1_scale`` including Q's and
@@ -27,9 +29,14 @@ from . import fmha_v2
 from ._dense_order import PREFERRED
 from .fp8_tensor_quant import quantize_fp8_per_tensor, restore_lse, restore_output
 
-__all__ = ["FmhaV2Fp8Route", "module_uri"]
+__all__ = ["FmhaV2Fp8Route", "kv_step", "module_uri"]
 
 _OUT_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def kv_step(head_dim: int) -> int:
+    """Keys per KV step of the SM90 e4m3 kernels (FlashInfer's ``kv_loop_step``)."""
+    return 256 if head_dim <= 128 else 128
 
 
 def module_uri(out_dtype: torch.dtype) -> str:
