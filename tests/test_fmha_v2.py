@@ -240,15 +240,16 @@ def test_fmha_v2_lse_needs_sm90_and_the_contiguous_module(fake_flashinfer):
 
 
 @pytest.mark.parametrize("quant", [None, "fp8_e4m3"])
-def test_ring_skip_calls_choose_the_fmha_v2_routes_on_sm90_as_one_gpu_does(fake_flashinfer, quant):
+def test_ring_skip_calls_choose_the_fmha_v2_routes_on_sm90(fake_flashinfer, quant):
     """``backend="auto"`` on SM90 (faked; the CPU tensors count as the GPU's): a ring KV shard (``return_lse``)
-    with skip-softmax, and with fp8 SAGE, goes where the same call goes on one GPU: fmha-v2 (fmha-v2-fp8)."""
+    with skip-softmax goes to fmha-v2, and with fp8 SAGE to fmha-v2-fp8, as on one GPU. Skip alone on
+    one GPU runs the gluon kernel, which returns no log-sum-exp, so the ring shard takes fmha-v2."""
     from diffusers_trtllm.config import QuantConfig
-    from diffusers_trtllm.kernels import fmha_v2_fp8
+    from diffusers_trtllm.kernels import fmha_v2_fp8, gluon_attn
     from diffusers_trtllm.routes import _capability_reasons
 
     fake_flashinfer.setattr(_flashinfer, "jit_built", lambda uri: True)
-    for module in (fmha_v2, fmha_v2_fp8, _dense_order):
+    for module in (fmha_v2, fmha_v2_fp8, _dense_order, gluon_attn):
         fake_flashinfer.setattr(module, "device_sm", lambda device: 90)
 
     def auto_choice(call):
@@ -263,4 +264,8 @@ def test_ring_skip_calls_choose_the_fmha_v2_routes_on_sm90_as_one_gpu_does(fake_
     if quant is not None:
         one = replace(one, quant=QuantConfig(dtype_qk=quant))
     ring = replace(one, return_lse=True, kv_shards=2)
-    assert auto_choice(one) == auto_choice(ring) == ("fmha-v2" if quant is None else "fmha-v2-fp8")
+    if quant is None:
+        assert auto_choice(ring) == "fmha-v2"
+        assert auto_choice(one) == ("gluon" if gluon_attn.gluon_missing() is None else "fmha-v2")
+    else:
+        assert auto_choice(one) == auto_choice(ring) == "fmha-v2-fp8"
