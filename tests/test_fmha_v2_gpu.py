@@ -183,11 +183,53 @@ def test_fmha_v2_lse_matches_reference(backend, lam):
     diff = (lse - ref.lse).abs()
     print(f"{backend} lambda={lam}: skipped {ref.skipped_fraction:.2f}, LSE |diff| max {diff.max():.4f} "
           f"median {diff.median():.5f}, output rel-L1 {rel_l1(_valid(out.float(), layout), ref.out.float()):.4f}")
+    bias = (lse - ref.lse).mean()
+    print(f"  mean signed difference {bias:.5f}")
     assert not lse.isnan().any()
+    # fp8: per-tensor e4m3 Q and K move every logit by up to a few tenths (the first H200 run measured a
+    # median |diff| of 0.055 and a max of 0.51, with the output 0.071 rel-L1 from dense), so a wrong reading
+    # of the stats shows as a bias of every row, checked first; ring's use of the LSE is checked by
+    # ``test_fmha_v2_kv_shards_merge_by_lse``.
+    assert bias.abs() < (2e-2 if fp8 else 5e-3)
     if lam is None:
-        assert diff.max() < (0.3 if fp8 else 2e-2) and diff.median() < (5e-2 if fp8 else 5e-3)
+        assert diff.max() < (1.0 if fp8 else 2e-2) and diff.median() < (0.1 if fp8 else 5e-3)
     else:  # a tile at the threshold may be skipped by one and kept by the other (bf16 vs fp32 maxima)
         assert ref.skipped_fraction > 0.1
-        assert diff.median() < (5e-2 if fp8 else 5e-3) and diff.max() < (0.5 if fp8 else 0.2)
+        assert diff.median() < (0.1 if fp8 else 5e-3) and diff.max() < (1.0 if fp8 else 0.2)
         _, dense = lse_of(None)
         assert (lse - dense).max() < (0.05 if fp8 else 1e-2)  # skipped keys only lower the LSE
+
+
+@pytest.mark.parametrize("backend", ["fmha-v2", "fmha-v2-fp8"])
+@pytest.mark.parametrize("lam", [None, 1e-2])
+def test_fmha_v2_kv_shards_merge_by_lse(backend, lam):
+    """What ring attention does with the log-sum-exp: one query shard against two KV shards of its length
+    (FMHAv2 serves as many queries as keys), merged by the shards' log-sum-exp, is as close to dense
+    attention over all the keys as each shard's output is to dense attention over its own keys."""
+    import torch.nn.functional as F
+
+    from diffusers_trtllm.bench.inputs import parse_shapes, structured_qkv
+    from diffusers_trtllm.config import QuantConfig
+
+    quant = QuantConfig("fp8_e4m3") if backend == "fmha-v2-fp8" else None
+    _hopper_route(backend, quant=quant, return_lse=True)
+    (shape,) = parse_shapes("ring=1:4096:4:128")
+    q, k, v = structured_qkv(shape, 0.5, device="cuda")
+    half = q.shape[1] // 2
+    q = q[:, :half]
+
+    def dense(keys, values):
+        return F.scaled_dot_product_attention(*(x.float().transpose(1, 2) for x in (q, keys, values))).transpose(1, 2)
+
+    shards, own_errors = [], []
+    for part in (slice(0, half), slice(half, None)):
+        out, result = run_attention(q, k[:, part], v[:, part], skip=lam, quant=quant, backend=backend,
+                                    return_lse=True, policy="always")
+        assert result.route == backend
+        shards.append((out.float(), result.lse))
+        own_errors.append(rel_l1(out.float(), dense(k[:, part], v[:, part])))
+    lse = torch.logaddexp(shards[0][1], shards[1][1])
+    merged = sum(out * torch.exp(part_lse - lse)[..., None] for out, part_lse in shards)
+    error = rel_l1(merged, dense(k, v))
+    print(f"{backend} lambda={lam}: merged rel-L1 {error:.4f}, shards' own {own_errors}")
+    assert error <= max(own_errors) + 5e-3
