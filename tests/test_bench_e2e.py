@@ -126,3 +126,25 @@ def test_e2e_probe_models_on_gpu():
             assert r.skipped > 0.2 and any("+skip" in route for route in r.routes.values()), r
         if r.model.startswith("wan") and r.config.endswith("skip"):
             assert "+skip" not in r.routes["cross"] and "cross" in r.policy, r  # 512 text keys: skip cannot pay
+
+
+def test_route_skipped_fraction_needs_every_skip_call_counted():
+    """The summary's skipped fraction covers every skip-softmax call, or is left out: a count over the
+    cross-attention alone (its route counts, self-attention's fmha-v2 does not) would pass for the whole."""
+    from types import SimpleNamespace
+
+    from diffusers_trtllm.bench.e2e import processor_summary
+
+    def record(route, sparse, skipped=None, total=None):
+        return SimpleNamespace(route=route, sparse=sparse, sage=False, skipped_tiles=skipped, total_tiles=total, note=None)
+
+    def proc(*layers):
+        return SimpleNamespace(layers=[SimpleNamespace(role=role, records=recs) for role, recs in layers])
+
+    counted = proc(("cross", [record("triton", True, 0, 40)]), ("self", [record("triton", True, 30, 60)]))
+    assert processor_summary(counted).skipped_route == pytest.approx(0.3)
+    partial = proc(("cross", [record("triton", True, 0, 40)]), ("self", [record("fmha-v2", True)]))
+    summary = processor_summary(partial)
+    assert summary.skipped_route is None and summary.routes == {"cross": "triton+skip", "self": "fmha-v2+skip"}
+    dense_self = proc(("cross", [record("triton", True, 1, 4)]), ("self", [record("fa3", False)]))
+    assert processor_summary(dense_self).skipped_route == 0.25

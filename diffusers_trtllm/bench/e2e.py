@@ -161,7 +161,7 @@ class ProcessorSummary(NamedTuple):
     routes: dict[str, str]
     #: Attention role -> what the processor's policy dropped from the request, and why.
     policy: dict[str, str]
-    #: Skipped tiles / tiles over the calls whose route counted them (None: no route did).
+    #: Skipped tiles / tiles over the skip-softmax calls (None: a route ran one without counting).
     skipped_route: float | None
     #: Whether any self/joint attention call ran with skip-softmax.
     sparse_self: bool
@@ -176,7 +176,7 @@ def processor_summary(proc: Any) -> ProcessorSummary:
     routes: dict[str, set[str]] = {}
     notes: dict[str, set[str]] = {}
     skipped = tiles = 0
-    sparse_self = False
+    sparse_self = uncounted = False
     for layer in proc.layers:
         for rec in layer.records:
             label = rec.route + ("+skip" if rec.sparse else "") + ("+sage" if rec.sage else "")
@@ -188,11 +188,15 @@ def processor_summary(proc: Any) -> ProcessorSummary:
             if rec.total_tiles:
                 skipped += rec.skipped_tiles or 0
                 tiles += rec.total_tiles
+            else:
+                uncounted |= rec.sparse  # e.g. fmha-v2, whose kernels do not count skipped tiles
 
     def joined(by_role: dict[str, set[str]], sep: str) -> dict[str, str]:
         return {role: sep.join(sorted(v)) for role, v in sorted(by_role.items())}
 
-    return ProcessorSummary(joined(routes, ","), joined(notes, "; "), skipped / tiles if tiles else None, sparse_self)
+    # A count over only some of the skip-softmax calls (cross-attention's, say) would pass for the whole.
+    fraction = skipped / tiles if tiles and not uncounted else None
+    return ProcessorSummary(joined(routes, ","), joined(notes, "; "), fraction, sparse_self)
 
 
 class _Enough(Exception):

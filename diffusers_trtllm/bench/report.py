@@ -150,7 +150,8 @@ def write_e2e_markdown(path: Path, env: dict[str, Any], opts: "E2EOptions", mode
         "compiled. `rel-L1`: against the stock output of the same mode. `skipped`: the fraction of self/joint "
         "attention tiles the reference skips at the row's threshold, on Q/K recorded from the stock forward "
         f"({opts.ref_layers} calls x {opts.ref_heads} heads, fmha-v2 tiles); `route skipped`: the routes' own count "
-        "where they report one. `routes`: attention role -> routes taken (+skip, +sage: that feature ran); "
+        "over every skip-softmax call, blank when one ran on a route that does not count (fmha-v2). "
+        "`routes`: attention role -> routes taken (+skip, +sage: that feature ran); "
         "`note`: what the processor's policy dropped, per role, or the error. "
         "Structured weights: local self-attention (bench.models.local_attention, contrast per model below).",
         "",
@@ -241,7 +242,8 @@ def format_cp_markdown(data: dict[str, Any]) -> str:
         f"skip threshold {data['threshold']}, t = {data['t']}. `vs stock`: Diffusers' own attention "
         "(cuDNN SDPA; under Ulysses its context-parallel attention) time / this time, same run; rel-L1: "
         "output against stock's; `skipped`: the skipped-tile fraction of rank 0's calls (its heads; under "
-        "ring, its queries over every KV shard, each shard's running max local to it).",
+        "ring, its queries over every KV shard, each shard's running max local to it); blank when a skip-softmax "
+        "call ran on a route that does not count skipped tiles (fmha-v2).",
         "",
         "| setting | ms | vs stock | rel-L1 | skipped | routes | policy |",
         "|---|---:|---:|---:|---:|---|---|",
