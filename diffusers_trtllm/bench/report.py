@@ -109,7 +109,9 @@ def write_markdown(path: Path, env: dict[str, Any], settings: Settings, results:
         "Time: median of CUDA-event timings after warm-up. TFLOP/s from 4·B·H·Sq·Skv·D. "
         "`vs cuDNN`: cuDNN SDPA time / this time (same run, same inputs). rel-L1 and cosine against fp32 dense "
         f"attention on a subsample of {settings.ref_heads} heads (all queries). `skipped (ref)`: the skipped-tile "
-        "fraction the reference finds on the same inputs and heads at that threshold, with the kernel's tiles; "
+        "fraction the reference finds on the same inputs and heads at that threshold, with the tiles named per "
+        "shape (fmha-v2's bf16 tiles by default) for every route of the row, so a kernel with other tiles "
+        "(triton dense 128x128, fmha-v2-fp8 64x256 keys up to head dim 128) skips another fraction there; "
         "`ideal` = 1/(1 - skipped/2); `ref rel-L1`: the reference's own error with that skipping / SAGE emulation.",
         "",
     ]
