@@ -34,7 +34,7 @@ import torch
 from ..config import QuantConfig
 from ..layout import PackedLayout
 from ..routes import AttentionCall, Capabilities, device_sm, register_route
-from .triton_attn import LOG2E, TritonAttentionOutput, TritonRoute, check_heads, rows_view, tile_output
+from .triton_attn import LOG2E, TritonAttentionOutput, TritonRoute, check_heads, kernel_operands, rows_view, tile_output
 
 __all__ = ["GluonRoute", "GluonConfig", "gluon_attention", "gluon_missing"]
 
@@ -74,7 +74,7 @@ VARIANTS: dict[str, tuple[int, bool]] = {"dense": (0, False), "skip": (0, True),
 
 def variant(sage: bool, skip: bool) -> str:
     """Name of the kernel variant (``VARIANTS``) for int8 SAGE on/off and skip-softmax on/off."""
-    return ("int8" if sage else "dense") if not skip else ("int8_skip" if sage else "skip")
+    return next(name for name, constexprs in VARIANTS.items() if constexprs == (int(sage), skip))
 
 
 def default_config(variant_name: str) -> GluonConfig:
@@ -488,27 +488,16 @@ def gluon_attention(
         raise ValueError(f"the gluon kernel needs at least 2 pipeline stages; got {cfg.stages}.")
     bm, bn = cfg.block_m, cfg.block_n
     out = torch.empty(tokens_q, heads, dim, dtype=q.dtype, device=q.device)
-    if sage:
-        from . import triton_quant
-
-        st = triton_quant.sage_quantize_triton(q, k, v, layout, quant)
-        descs = (_desc(st.q, [bm, dim]), _desc(st.k, [bn, dim]), _desc(st.vt, [dim, bn]))
-        scales = (st.q_scale, st.k_scale, st.v_scale)
-        n_blocks = (st.q_scale.shape[1], st.k_scale.shape[1])
-        block_sizes = (quant.q_block_size, quant.k_block_size)
-    else:
-        descs = (_desc(q, [bm, dim]), _desc(k, [bn, dim]), _desc(v, [bn, dim]))
-        scales = (out,) * 3  # never read
-        n_blocks, block_sizes = (0, 0), (1, 1)
+    ops = kernel_operands(q, k, v, layout, quant, out, bm, bn, describe=_desc)
     stats = torch.zeros(1, dtype=torch.int32, device=q.device) if collect_stats else out  # out: never written
     grid = (triton.cdiv(layout.max_seqlen_q, cfg.consumers * bm), layout.num_seqs * heads)
     _attn_fwd[grid](
-        *descs, out, *scales, stats,
+        *ops.descs, out, *ops.scales, stats,
         layout.cu_seqlens_q, layout.cu_seqlens_kv, softmax_scale * LOG2E,
-        float(skip_factor or 0.0), *n_blocks, out.stride(0), out.stride(1),
+        float(skip_factor or 0.0), *ops.n_blocks, out.stride(0), out.stride(1),
         H=heads, GROUP=heads // kv_heads, HEAD_DIM=dim, BLOCK_M=bm, BLOCK_N=bn,
         STAGES=cfg.stages, CONSUMERS=cfg.consumers, CONSUMER_REGS=cfg.consumer_regs,
-        QUANT=1 if sage else 0, Q_BS=block_sizes[0], K_BS=block_sizes[1],
+        QUANT=1 if sage else 0, Q_BS=ops.block_sizes[0], K_BS=ops.block_sizes[1],
         SKIP=skip_factor is not None, STATS=collect_stats and skip_factor is not None, SCHEDULE=SCHEDULES.index(cfg.schedule),
         num_warps=4, maxnreg=cfg.maxnreg,
     )

@@ -25,7 +25,9 @@ reports the missing package.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -258,8 +260,38 @@ def rows_view(x: torch.Tensor) -> torch.Tensor:
 
 
 def _rows_desc(x: torch.Tensor, block: list[int]):
-    """TMA descriptor over ``[tokens, heads * dim]`` (a view of ``[tokens, heads, dim]``)."""
-    return TensorDescriptor.from_tensor(rows_view(x), block)
+    """TMA descriptor over ``[tokens, heads * dim]`` (a view of ``[tokens, heads, dim]``), or over a 2-D tensor."""
+    return TensorDescriptor.from_tensor(rows_view(x) if x.dim() == 3 else x, block)
+
+
+@dataclass
+class KernelOperands:
+    """What the triton and gluon kernels read besides the layout: TMA descriptors of Q, K and V (with
+    SAGE: the quantized Q and K and fp8 ``V^T``), SAGE's scales, and their block counts and sizes
+    (placeholders, never read, without SAGE)."""
+
+    descs: tuple
+    scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    n_blocks: tuple[int, int]
+    block_sizes: tuple[int, int]
+
+
+def kernel_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PackedLayout,
+                    quant: QuantConfig | None, placeholder: torch.Tensor, block_m: int, block_n: int,
+                    describe: Callable[[torch.Tensor, list[int]], Any] = _rows_desc) -> KernelOperands:
+    """Quantize for SAGE when ``quant`` asks (``triton_quant``'s fused quantizer) and describe the
+    operands with ``describe(tensor, block)``; ``placeholder`` stands in for the scales without SAGE."""
+    dim = q.shape[-1]
+    if quant is not None and quant.enabled:
+        st = triton_quant.sage_quantize_triton(q, k, v, layout, quant)
+        return KernelOperands(
+            (describe(st.q, [block_m, dim]), describe(st.k, [block_n, dim]), describe(st.vt, [dim, block_n])),
+            (st.q_scale, st.k_scale, st.v_scale),
+            (st.q_scale.shape[1], st.k_scale.shape[1]),
+            (quant.q_block_size, quant.k_block_size),
+        )
+    return KernelOperands((describe(q, [block_m, dim]), describe(k, [block_n, dim]), describe(v, [block_n, dim])),
+                          (placeholder,) * 3, (0, 0), (1, 1))
 
 
 def triton_attention(
@@ -291,30 +323,17 @@ def triton_attention(
     cfg = config or default_config(qk_kind)
     bm, bn = cfg.block_m, cfg.block_n
     out = torch.empty(tokens_q, heads, dim, dtype=q.dtype, device=q.device)
-    if sage:
-        st = triton_quant.sage_quantize_triton(q, k, v, layout, quant)
-        desc_q = _rows_desc(st.q, [bm, dim])
-        desc_k = _rows_desc(st.k, [bn, dim])
-        desc_v = TensorDescriptor.from_tensor(st.vt, [dim, bn])
-        scales = (st.q_scale, st.k_scale, st.v_scale)
-        n_blocks = (st.q_scale.shape[1], st.k_scale.shape[1])
-        block_sizes = (quant.q_block_size, quant.k_block_size)
-        quant_code = 1 if quant.dtype_qk == "int8" else 2
-    else:
-        desc_q = _rows_desc(q, [bm, dim])
-        desc_k = _rows_desc(k, [bn, dim])
-        desc_v = _rows_desc(v, [bn, dim])
-        scales = (out,) * 3  # never read
-        n_blocks, block_sizes, quant_code = (0, 0), (1, 1), 0
+    ops = kernel_operands(q, k, v, layout, quant, out, bm, bn)
+    quant_code = 0 if not sage else 1 if quant.dtype_qk == "int8" else 2
     stats = torch.zeros(1, dtype=torch.int32, device=q.device) if collect_stats else out  # out: never written
     lse = torch.empty(tokens_q, heads, dtype=torch.float32, device=q.device) if return_lse else out  # never written
     grid = (triton.cdiv(layout.max_seqlen_q, bm), layout.num_seqs * heads)
     _attn_fwd[grid](
-        desc_q, desc_k, desc_v, out, *scales, stats, lse,
+        *ops.descs, out, *ops.scales, stats, lse,
         layout.cu_seqlens_q, layout.cu_seqlens_kv, softmax_scale * LOG2E,
-        float(skip_factor or 0.0), *n_blocks, out.stride(0), out.stride(1),
+        float(skip_factor or 0.0), *ops.n_blocks, out.stride(0), out.stride(1),
         H=heads, GROUP=heads // kv_heads, HEAD_DIM=dim, BLOCK_M=bm, BLOCK_N=bn,
-        QUANT=quant_code, Q_BS=block_sizes[0], K_BS=block_sizes[1],
+        QUANT=quant_code, Q_BS=ops.block_sizes[0], K_BS=ops.block_sizes[1],
         SKIP=skip_factor is not None, STATS=collect_stats and skip_factor is not None, LSE=return_lse,
         NATIVE=triton_quant.fp8_native(q.device), COMPILED=not triton_quant.interpreting(), WARP_SPECIALIZE=cfg.warp_specialize,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
