@@ -123,6 +123,7 @@ def test_lse_matches_reference(dtype_qk, skip):
 def test_kv_halves_merge_by_lse(dtype_qk, skip):
     """What ring attention does with the log-sum-exp: attention over each half of every sequence's
     keys, merged by the halves' log-sum-exp, is as close to dense attention as one call over all the keys."""
+    from diffusers_trtllm.bench.ring_skip import merge_by_lse
     from diffusers_trtllm.kernels.triton_attn import triton_attention
 
     q, k, v, layout = _inputs(128, kv_heads=4)
@@ -136,8 +137,7 @@ def test_kv_halves_merge_by_lse(dtype_qk, skip):
         half = triton_attention(q, k[ids].contiguous(), v[ids].contiguous(), _layout(LENS_Q, lens),
                                 softmax_scale=128**-0.5, skip_factor=factor, quant=quant, return_lse=True)
         halves.append(half)
-    lse = torch.logaddexp(halves[0].lse, halves[1].lse)
-    merged = sum(h.out.float() * torch.exp(h.lse - lse)[..., None] for h in halves)
+    merged, _ = merge_by_lse([(h.out, h.lse) for h in halves])  # Diffusers' ring formula
     whole = triton_attention(q, k, v, layout, softmax_scale=128**-0.5, skip_factor=factor, quant=quant).out
     dense = _reference(q, k, v, layout).out
     # Each half quantizes and skips on its own keys, so only the error against dense attention compares.
