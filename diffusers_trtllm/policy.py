@@ -46,22 +46,22 @@ SAGE_MIN_KV_SM90 = 16384
 SAGE_INT8_MIN_KV_SM90 = 65536
 
 
-#: On SM90, skip-softmax without SAGE moves the call from fa3 to FMHAv2 in bf16, slower when nothing
-#: is skipped. Whole Wan forwards on the H200 against fa3 dense (benchmarks/results/e2e_h200_before_policy.md):
-#: 0.90x at 0% skipped (random weights), 1.03x at 44.5% (1.3B) and 1.03x at 52.9% (14B); the line
-#: through them crosses 1.0 at about 34%. The run after the rule (``skip-always`` in e2e_h200.md and
-#: e2e_h200_small.md) gave 0.90x and 1.02x, a crossing near 40%. (The opt-in gluon kernel crosses near
-#: 36%: e2e_h200_gluon.md, 0.961x and 1.104x stock at 0% and 52.9%, against fa3's 1.058x.) So skip alone
-#: runs only where a calibrated ``target_sparsity`` promises at least this much; a bare threshold says
-#: nothing of the fraction.
+#: On SM90, skip-softmax without SAGE moves the call from fa3 to a skip kernel in bf16 (the gluon kernel,
+#: FMHAv2 where gluon cannot serve), slower when nothing is skipped. Whole Wan forwards on the H200 against
+#: fa3 dense: FMHAv2 (benchmarks/results/e2e_h200_before_policy.md) 0.90x at 0% skipped (random weights),
+#: 1.03x at 44.5% (1.3B) and 1.03x at 52.9% (14B), a crossing near 34%; the run after the rule
+#: (``skip-always`` in e2e_h200.md, e2e_h200_small.md) a crossing near 40%. The gluon kernel
+#: (e2e_h200_gluon.md: 0.961x and 1.104x stock at 0% and 52.9%, against fa3 dense's 1.058x in
+#: e2e_h200.md) crosses near 36%. So skip alone runs only where a calibrated ``target_sparsity``
+#: promises at least this much; a bare threshold says nothing of the fraction.
 SKIP_ALONE_MIN_SPARSITY_SM90 = 0.35
 
 # Under ring attention each KV shard runs the skip rule with a running max local to the shard and
 # skips about ``1 / ring_degree`` of what one process skips (structured inputs, reference route,
 # ``bench.ring_skip``; docs/design.md "Context parallelism"), so the fraction a calibrated
 # ``target_sparsity`` promises is divided by the number of KV shards (``AttentionCall.kv_shards``)
-# before the skip-alone rule. (Under ring each call runs on the route it runs on one GPU, FMHAv2 for
-# skip alone, which returns the log-sum-exp from its softmax stats; the 35% line was measured there.)
+# before the skip-alone rule. (Under ring, skip alone runs on FMHAv2, which returns the log-sum-exp from
+# its softmax stats (gluon does not return it); the 35% line was measured there.)
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,7 @@ def apply_policy(call: AttentionCall, policy: str = "auto", honour: Collection[s
         promised = "a bare threshold" if target_sparsity is None else f"target_sparsity {target_sparsity:g}"
         if target_sparsity is not None and call.kv_shards > 1:
             promised += f", about {expected:.0%} on each of {call.kv_shards} KV shards"
-        dropped.append(f"skip-softmax off: alone it runs FMHAv2 bf16, slower than fa3 dense below "
+        dropped.append(f"skip-softmax off: alone it runs a bf16 skip kernel (gluon or FMHAv2), slower than fa3 dense below "
                        f"{SKIP_ALONE_MIN_SPARSITY_SM90:.0%} skipped tiles on SM90 ({promised})")
         call = replace(call, skip_factor=None)
     return PolicyDecision(call, tuple(dropped))

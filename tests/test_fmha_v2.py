@@ -112,9 +112,10 @@ def test_dense_order_on_sm90_follows_the_measured_table(monkeypatch):
         ranked = sorted(order, key=lambda name: get_route(name).priority(call))
         assert tuple(ranked) == order
         assert all(get_route(name).priority(call) < get_route("reference").priority(call) for name in order)
-    # Skip-softmax on SM90 goes to fmha-v2 ahead of every other route.
+    # Skip-softmax without SAGE on SM90 goes to gluon, then fmha-v2, ahead of every other route.
     skip = _call(skip=10.0)
-    assert get_route("fmha-v2").priority(skip) < min(get_route(n).priority(skip) for n in route_names() if n != "fmha-v2")
+    others = min(get_route(n).priority(skip) for n in route_names() if n not in ("gluon", "fmha-v2"))
+    assert get_route("gluon").priority(skip) < get_route("fmha-v2").priority(skip) < others
 
 
 def test_dense_order_off_hopper_keeps_registration_order_with_triton_after_sdpa():
@@ -239,15 +240,16 @@ def test_fmha_v2_lse_needs_sm90_and_the_contiguous_module(fake_flashinfer):
 
 
 @pytest.mark.parametrize("quant", [None, "fp8_e4m3"])
-def test_ring_skip_calls_choose_the_fmha_v2_routes_on_sm90_as_one_gpu_does(fake_flashinfer, quant):
+def test_ring_skip_calls_choose_the_fmha_v2_routes_on_sm90(fake_flashinfer, quant):
     """``backend="auto"`` on SM90 (faked; the CPU tensors count as the GPU's): a ring KV shard (``return_lse``)
-    with skip-softmax goes to fmha-v2, and with fp8 SAGE to fmha-v2-fp8, as on one GPU."""
+    with skip-softmax goes to fmha-v2, and with fp8 SAGE to fmha-v2-fp8, as on one GPU. Skip alone on
+    one GPU runs the gluon kernel, which returns no log-sum-exp, so the ring shard takes fmha-v2."""
     from diffusers_trtllm.config import QuantConfig
-    from diffusers_trtllm.kernels import fmha_v2_fp8
+    from diffusers_trtllm.kernels import fmha_v2_fp8, gluon_attn
     from diffusers_trtllm.routes import _capability_reasons
 
     fake_flashinfer.setattr(_flashinfer, "jit_built", lambda uri: True)
-    for module in (fmha_v2, fmha_v2_fp8, _dense_order):
+    for module in (fmha_v2, fmha_v2_fp8, _dense_order, gluon_attn):
         fake_flashinfer.setattr(module, "device_sm", lambda device: 90)
 
     def auto_choice(call):
@@ -262,4 +264,8 @@ def test_ring_skip_calls_choose_the_fmha_v2_routes_on_sm90_as_one_gpu_does(fake_
     if quant is not None:
         one = replace(one, quant=QuantConfig(dtype_qk=quant))
     ring = replace(one, return_lse=True, kv_shards=2)
-    assert auto_choice(one) == auto_choice(ring) == ("fmha-v2" if quant is None else "fmha-v2-fp8")
+    if quant is None:
+        assert auto_choice(ring) == "fmha-v2"
+        assert auto_choice(one) == ("gluon" if gluon_attn.gluon_missing() is None else "fmha-v2")
+    else:
+        assert auto_choice(one) == auto_choice(ring) == "fmha-v2-fp8"

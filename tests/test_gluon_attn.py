@@ -1,5 +1,5 @@
 """The ``gluon`` route without a GPU: every kernel variant compiles for sm_90 ahead of time (Hopper
-tensor-core and register-reallocation instructions in its PTX), and the route stays out of ``auto``."""
+tensor-core and register-reallocation instructions in its PTX), and where ``auto`` ranks the route."""
 
 from __future__ import annotations
 
@@ -53,14 +53,20 @@ def test_compiles_for_sm90_with_wgmma(variant, head_dim, schedule):
     assert kernel.metadata.shared <= 227 * 1024
 
 
-def test_route_is_never_auto_and_says_why_not_here():
+def test_auto_takes_it_for_skip_alone_on_sm90_only(monkeypatch):
+    """``auto`` ranks gluon first for skip-softmax without SAGE, behind the triton kernel otherwise;
+    off sm_90 (here: the CPU) it says why it cannot serve."""
+    from diffusers_trtllm.config import QuantConfig
     from diffusers_trtllm.layout import PackedLayout
-    from diffusers_trtllm.routes import AttentionCall, get_route, select_route
+    from diffusers_trtllm.routes import AttentionCall, get_route, route_names
 
     q = torch.randn(8, 2, 64, dtype=torch.bfloat16)
     cu = torch.tensor([0, 8], dtype=torch.int32)
     call = AttentionCall(q, q, q, PackedLayout.from_cu_seqlens(cu, cu, 8, 8, q_tokens=8, kv_tokens=8), softmax_scale=0.125)
     route = get_route("gluon")
-    assert not route.auto
-    assert select_route(call).name != "gluon"
-    assert route.not_supported_reasons(dataclasses.replace(call, skip_factor=1.0))  # no sm_90 GPU here
+    assert route.auto
+    skip = dataclasses.replace(call, skip_factor=1.0)
+    assert route.priority(skip) < min(get_route(n).priority(skip) for n in route_names() if n != "gluon")
+    for other in (call, dataclasses.replace(skip, quant=QuantConfig("int8"))):
+        assert get_route("triton").priority(other) < route.priority(other)
+    assert route.not_supported_reasons(skip)  # no sm_90 GPU here

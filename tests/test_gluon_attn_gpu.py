@@ -3,6 +3,8 @@ over the ragged batches of the ``triton`` route's GPU tests (same inputs, same t
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -117,11 +119,15 @@ def test_nonfinite_inputs_propagate(tensor, value, dtype_qk, skip):
     check_nonfinite_propagation(gluon_attention, 64, tensor, value, dtype_qk, skip)
 
 
-def test_route_runs_by_name_only():
-    from diffusers_trtllm.routes import AttentionCall, get_route, select_route
+def test_auto_takes_it_for_skip_alone_only():
+    """On the H200 ``auto`` runs skip-softmax alone on gluon; dense work goes to fa3/cuDNN and int8 SAGE to triton."""
+    from diffusers_trtllm.routes import AttentionCall, select_route
 
     q, k, v, layout = _inputs(128)
-    call = AttentionCall(q, k, v, layout, softmax_scale=128**-0.5)
-    assert select_route(call).name != "gluon"
-    res = get_route("gluon").run(call)
+    dense = AttentionCall(q, k, v, layout, softmax_scale=128**-0.5)
+    skip = dataclasses.replace(dense, skip_factor=1.0)
+    assert select_route(skip).name == "gluon"
+    assert select_route(dense).name != "gluon"
+    assert select_route(dataclasses.replace(skip, quant=QuantConfig("int8"))).name == "triton"
+    res = select_route(skip).run(skip)
     assert res.route == "gluon" and torch.isfinite(res.out.float()).all()

@@ -34,6 +34,7 @@ import torch
 from ..config import QuantConfig
 from ..layout import PackedLayout
 from ..routes import AttentionCall, Capabilities, device_sm, register_route
+from ._dense_order import PREFERRED
 from .triton_attn import LOG2E, TritonAttentionOutput, TritonRoute, check_heads, kernel_operands, rows_view, tile_output
 
 __all__ = ["GluonRoute", "GluonConfig", "gluon_attention", "gluon_missing"]
@@ -537,18 +538,16 @@ def compile_sm90(variant_name: str, head_dim: int = 128, config: GluonConfig | N
 
 
 class GluonRoute(TritonRoute):
-    """The Gluon FA3-style kernel (SM90 only), by name only (``backend="gluon"``).
-
-    It measured fastest for skip-softmax without SAGE on the H200 (wan_14b_480p / 720p at 50%
-    skipped: 1.16x / 1.17x cuDNN against FMHAv2's 1.12x / 1.12x; a Wan-14B forward with skip alone
-    at 53% skipped: 1.104x stock against FMHAv2's 1.082x; ``benchmarks/results/gluon_h200.md``,
-    ``e2e_h200_gluon.md``, ``e2e_h200.md``), but ``auto`` waits for its extreme-magnitude and NaN
-    GPU tests to run. Dense work is fa3's and int8 SAGE the ``triton`` kernel's (gluon 0.91-0.96x
-    against 1.10-1.13x).
-    """
+    """The Gluon FA3-style kernel (SM90 only). ``auto`` picks it for skip-softmax without SAGE, where it
+    measured fastest on the H200 (wan_14b_480p / 720p at 50% skipped: 1.16x / 1.17x cuDNN against
+    FMHAv2's 1.12x / 1.12x; a Wan-14B forward with skip alone at 53% skipped: 1.104x stock against
+    FMHAv2's 1.082x; ``benchmarks/results/gluon_h200.md``, ``e2e_h200_gluon.md``, ``e2e_h200.md``),
+    and where its GPU tests, extreme magnitudes and NaN included, pass
+    (``benchmarks/results/gpu_tests_h200_run10_gluon_triton.log``). Dense work is fa3's and int8 SAGE
+    the ``triton`` kernel's (0.91-0.96x against 1.10-1.13x). It returns no log-sum-exp, so a ring
+    shard's skip alone takes FMHAv2."""
 
     name = "gluon"
-    auto = False
     attention = staticmethod(gluon_attention)
     caps = Capabilities(
         min_sm=90,
@@ -556,6 +555,11 @@ class GluonRoute(TritonRoute):
         skip_softmax=True,
         sage_dtypes=frozenset({"int8"}),
     )
+
+    def priority(self, call: AttentionCall) -> float:
+        if call.skip_factor is not None and call.quant is None:
+            return PREFERRED - 1  # ahead of fmha-v2, the other Hopper skip-softmax kernel
+        return super().priority(call) + 0.1  # just behind the triton kernel, which is faster at the rest
 
     def extra_reasons(self, call: AttentionCall) -> list[str]:
         reasons = []
