@@ -56,12 +56,15 @@ SAGE_INT8_MIN_KV_SM90 = 65536
 #: promises at least this much; a bare threshold says nothing of the fraction.
 SKIP_ALONE_MIN_SPARSITY_SM90 = 0.35
 
-# Under ring attention each KV shard runs the skip rule with a running max local to the shard and
-# skips about ``1 / ring_degree`` of what one process skips (structured inputs, reference route,
-# ``bench.ring_skip``; docs/design.md "Context parallelism"), so the fraction a calibrated
-# ``target_sparsity`` promises is divided by the number of KV shards (``AttentionCall.kv_shards``)
-# before the skip-alone rule. (Under ring, skip alone runs on FMHAv2, which returns the log-sum-exp from
-# its softmax stats (gluon does not return it); the 35% line was measured there.)
+# Under ring attention each KV shard runs the skip rule with a running max local to the shard. A shard
+# skipped about ``1 / ring_degree`` of what one process skips in the CPU simulation (structured inputs,
+# reference route, ``bench.ring_skip``) and 0.91 of it in a Wan-14B 720p forward on two H200s (53.9% against
+# 59.5%, benchmarks/results/cp_ring_h200x2_triton_skip.md); the rule takes the lower: the fraction a
+# calibrated ``target_sparsity`` promises is divided by the number of KV shards (``AttentionCall.kv_shards``)
+# before the skip-alone rule, since skip alone where little is skipped costs more (about 10%) than dense
+# where skip would pay (about 3.5%; docs/design.md "Context parallelism"). (Under ring, skip alone runs on
+# FMHAv2, which returns the log-sum-exp from its softmax stats (gluon does not return it); the 35% line
+# was measured there.)
 
 
 @dataclass(frozen=True)
