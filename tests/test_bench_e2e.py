@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -112,6 +113,41 @@ def test_settings_build_processor_arguments():
     assert SETTINGS["skip-always"].processor_kwargs(0.02, "auto")["policy"] == "always"
 
 
+def test_calibration_for_fits_the_reference_curve_at_the_target():
+    from diffusers_trtllm.bench.e2e import calibration_for
+    from diffusers_trtllm.bench.inputs import Shape, structured_qkv
+    from diffusers_trtllm.bench.timing import tile_criticals
+    from diffusers_trtllm.calibration import parse_sparse_attention_config
+
+    shape = Shape("s", 1, 2048, 2, 64, grid=(32, 64))
+    q, k, _ = (x[0].float() for x in structured_qkv(shape, locality=1.0))
+    crit = tile_criticals(q, k, 64**-0.5, 64, 64)
+    config, lam = calibration_for(crit, 2048, 0.5)
+    (group,) = parse_sparse_attention_config(config)
+    assert group.target_sparsity == 0.5
+    assert lam == pytest.approx(group.a * math.exp(group.b * 0.5) / 2048)
+    assert abs(skipped_fraction(crit, lam) - 0.5) < 0.05  # the curve passes near the reference at the target
+    assert calibration_for(torch.zeros_like(crit) + 2.0, 2048, 0.5) is None  # nothing skippable below lambda 1
+
+
+def test_calibrated_row_loads_its_curve_or_says_why_not(tmp_path, one_thread, monkeypatch):
+    """Tiny models have too few tiles to calibrate (the row says so); with a curve the row runs skip by target."""
+    from diffusers_trtllm.bench import e2e
+    from diffusers_trtllm.calibration import sparse_attention_config
+
+    opts = E2EOptions(models=("wan2.1-t2v-14b",), configs=("skip-calibrated",), weights=("structured",), device="cpu",
+                      backend="reference", warmup=0, iters=1, variant="tiny")
+    _, rows = run_e2e(opts, show_progress=False)
+    assert rows[1].error.startswith("not run: no threshold up to 1 skips 60%")
+    curve = sparse_attention_config([("self_attention", 2.0, 1.0, None, None)], target_sparsity=0.5)
+    monkeypatch.setattr(e2e, "calibration_for", lambda crit, kv_len, target: (curve, 0.25))
+    _, rows = run_e2e(opts, show_progress=False)
+    row = rows[1]
+    assert row.error is None and row.threshold == 0.25 and row.routes["self"] == "reference+skip"
+    assert SETTINGS["skip-calibrated"].processor_kwargs(0.05, "auto") == {
+        "backend": "auto", "policy": "auto", "target_sparsity": 0.5, "disabled_until_timestep": 0.0}
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_e2e_probe_models_on_gpu():
@@ -148,3 +184,12 @@ def test_route_skipped_fraction_needs_every_skip_call_counted():
     assert summary.skipped_route is None and summary.routes == {"cross": "triton+skip", "self": "fmha-v2+skip"}
     dense_self = proc(("cross", [record("triton", True, 1, 4)]), ("self", [record("fa3", False)]))
     assert processor_summary(dense_self).skipped_route == 0.25
+
+
+def test_cp_bench_refuses_calibrated_settings_with_the_reason(capsys):
+    from diffusers_trtllm.bench import cp
+
+    with pytest.raises(SystemExit):
+        cp.parse_args(["--configs", "dense,skip-calibrated"])
+    assert "fit their curve to the e2e bench's stock forward" in capsys.readouterr().err
+    assert cp.parse_args(["--configs", "skip-always"]).configs == ("skip-always",)

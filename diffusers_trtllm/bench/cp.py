@@ -31,6 +31,9 @@ import torch.distributed as dist
 
 from .cli import add_common_args, names
 from .e2e import DEFAULT_THRESHOLD, SETTINGS, _sdpa_context, processor_summary
+
+#: The e2e settings this bench runs: every one but those calibrated on the e2e bench's own stock forward.
+CP_SETTINGS = {name: s for name, s in SETTINGS.items() if s.target_sparsity is None}
 from .models import MODELS, build_model, local_attention, model_inputs
 from .report import environment, format_cp_markdown
 from .timing import rel_l1, time_fn
@@ -131,7 +134,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--latent", type=lambda s: tuple(int(x) for x in s.split(",")), default=None,
                    help=f"latent shape (Wan: C,F,H,W; 720p: {','.join(map(str, WAN_720P))}); default the model's")
     p.add_argument("--configs", type=names, default=("dense", "sage-int8", "sage-int8+skip"),
-                   help=f"comma-separated, from {', '.join(SETTINGS)} (stock always runs first)")
+                   help=f"comma-separated, from {', '.join(CP_SETTINGS)} (stock always runs first)")
     p.add_argument("--weights", default="structured", choices=["random", "structured"])
     p.add_argument("--contrast", type=float, default=None, help="structured weights' contrast (nats); default the model's")
     p.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD)
@@ -145,9 +148,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=3)
     add_common_args(p, "cp", "NAME.json")
     args = p.parse_args(argv)
-    unknown = set(args.configs) - set(SETTINGS)
+    calibrated = set(args.configs) & (set(SETTINGS) - set(CP_SETTINGS))
+    if calibrated:
+        p.error(f"--configs: {sorted(calibrated)} fit their curve to the e2e bench's stock forward, which this bench "
+                f"does not run; use the e2e bench for them, or choose from {', '.join(CP_SETTINGS)}")
+    unknown = set(args.configs) - set(CP_SETTINGS)
     if unknown:
-        p.error(f"--configs: unknown {sorted(unknown)}; choose from {', '.join(SETTINGS)}")
+        p.error(f"--configs: unknown {sorted(unknown)}; choose from {', '.join(CP_SETTINGS)}")
     return args
 
 

@@ -61,12 +61,17 @@ class ProcessorSetting:
     stock: bool = False
     #: The processor's ``policy``: "always" shows what a request gives where "auto" declines it.
     policy: str = "auto"
+    #: Skip-softmax by a calibrated ``target_sparsity`` (what a user who calibrates runs) instead of a
+    #: bare threshold; the bench fits the curve to the stock forward's tiles (``calibration_for``).
+    target_sparsity: float | None = None
 
     def processor_kwargs(self, threshold: float, backend: str) -> dict[str, Any]:
         kwargs: dict[str, Any] = {"backend": backend, "policy": self.policy}
         if self.quant:
             kwargs["quant"] = {"dtype_qk": self.quant}
-        if self.skip:
+        if self.target_sparsity is not None:
+            kwargs.update(target_sparsity=self.target_sparsity, disabled_until_timestep=0.0)
+        elif self.skip:
             kwargs.update(skip_softmax_threshold=threshold, disabled_until_timestep=0.0)
         return kwargs
 
@@ -80,6 +85,7 @@ SETTINGS: dict[str, ProcessorSetting] = {
         ProcessorSetting("sage-fp8", quant="fp8_e4m3"),
         ProcessorSetting("skip", skip=True),
         ProcessorSetting("skip-always", skip=True, policy="always"),
+        ProcessorSetting("skip-calibrated", skip=True, target_sparsity=0.5),
         ProcessorSetting("sage-int8+skip", quant="int8", skip=True),
         ProcessorSetting("sage-fp8+skip", quant="fp8_e4m3", skip=True),
     )
@@ -209,6 +215,7 @@ class _SkipStatistics:
     def __init__(self, every: int, max_calls: int, heads: int, stop: bool = False) -> None:
         self.every, self.max_calls, self.heads, self.stop = max(every, 1), max_calls, heads, stop
         self.self_calls = 0
+        self.kv_len = 0
         self.crits: list[torch.Tensor] = []
 
     def __call__(self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -217,6 +224,7 @@ class _SkipStatistics:
         i, self.self_calls = self.self_calls, self.self_calls + 1
         if i % self.every:
             return
+        self.kv_len = k.shape[-2]
         idx = torch.tensor(heads_subset(q.shape[1], self.heads), device=q.device)
         qs, ks = (x[0].index_select(0, idx).transpose(0, 1) for x in (q, k))  # [tokens, heads, dim]
         self.crits.append(tile_criticals(qs, ks, q.shape[-1] ** -0.5, *reference_tile(q.shape[-1])))
@@ -238,6 +246,26 @@ def _self_attention_calls(model: torch.nn.Module) -> int:
 
 def _skip_curve(crit: torch.Tensor | None) -> dict[str, float]:
     return {} if crit is None else {f"{lam:.3g}": skipped_fraction(crit, lam) for lam in PROBE_THRESHOLDS}
+
+
+def calibration_for(crit: torch.Tensor, kv_len: int, target: float) -> tuple[dict[str, Any], float] | None:
+    """A ModelOpt ``sparse_attention_config`` whose curve passes through the reference's factors at
+    ``target`` +- 0.1 on the stock forward's tiles, and its threshold at ``target``; None when these
+    weights cannot reach ``target + 0.1`` at any threshold up to 1 (flat attention: nothing to calibrate).
+
+    A stand-in for ``calibrate()``, which needs a pipeline: the same curve ``factor = a * exp(b * s)``,
+    fitted to one forward instead of a run over prompts and steps.
+    """
+    from ..calibration import sparse_attention_config
+
+    low, high = target - 0.1, target + 0.1
+    lam_low, lam_high = threshold_for(crit, low), threshold_for(crit, high)
+    if lam_low is None or lam_high is None:
+        return None
+    b = math.log(lam_high / lam_low) / (high - low)
+    a = lam_low * kv_len * math.exp(-b * low)
+    config = sparse_attention_config([("self_attention", a, b, None, None)], target_sparsity=target)
+    return config, a * math.exp(b * target) / kv_len
 
 
 def _sdpa_context(choice: str, device: torch.device) -> contextlib.AbstractContextManager:
@@ -272,6 +300,8 @@ class _ModelBench:
         self.stock = dict(self.model.attn_processors)
         self.runner: Callable[..., Any] = self.model
         self.crits: dict[str, torch.Tensor | None] = {}
+        #: Self-attention KV length of each weights kind's recorded calls (the calibration's ``kv_len``).
+        self.kv_lens: dict[str, int] = {}
         #: One processor per (setting, threshold), installed again on later passes: the same objects
         #: let torch.compile reuse its graphs instead of recompiling.
         self.processors: dict[tuple[str, float], Any] = {}
@@ -284,9 +314,11 @@ class _ModelBench:
         t = time_fn(self.forward, self.device, warmup=self.opts.warmup, iters=self.opts.iters, max_seconds=3600.0)
         return t.median_ms, t.iters
 
-    def install(self, setting: ProcessorSetting, threshold: float, collect_stats: bool = False) -> Any:
-        """Stock processors back, then (unless stock) the processor of ``setting`` with empty records; returns it."""
-        from .. import TrtllmAttnProcessor
+    def install(self, setting: ProcessorSetting, threshold: float, collect_stats: bool = False,
+                calibration: dict[str, Any] | None = None) -> Any:
+        """Stock processors back, then (unless stock) the processor of ``setting`` with empty records and
+        ``calibration`` loaded; returns it."""
+        from .. import TrtllmAttnProcessor, load_calibration
 
         self.model.set_attn_processor(dict(self.stock))  # Diffusers pops from the dict
         if setting.stock:
@@ -298,6 +330,8 @@ class _ModelBench:
             if not collect_stats:
                 self.processors[key] = proc
         self.model.set_attn_processor(proc)
+        if calibration is not None:
+            load_calibration(self.model, calibration)
         proc.reset_stats()
         proc.set_timestep(self.opts.t)
         return proc
@@ -344,6 +378,7 @@ class _ModelBench:
                         with spy_sdpa(stats):
                             stock_out = self.forward()
                         crit = self.crits[weights] = stats.criticals()
+                        self.kv_lens[weights] = stats.kv_len
                         self.result.skip_curve[weights] = _skip_curve(crit)
                         if opts.target_skip is not None and crit is not None:
                             threshold = threshold_for(crit, opts.target_skip) or opts.threshold
@@ -375,8 +410,18 @@ class _ModelBench:
 
     def _run_setting(self, row: E2ERow, setting: ProcessorSetting, threshold: float, compiled: bool,
                      stock_out: torch.Tensor | None) -> None:
+        calibration = None
+        if setting.target_sparsity is not None:
+            crit = self.crits.get(row.weights)
+            fitted = None if crit is None else calibration_for(crit, self.kv_lens[row.weights], setting.target_sparsity)
+            if fitted is None:
+                row.error = (f"not run: no threshold up to 1 skips {setting.target_sparsity + 0.1:.0%} of these weights' "
+                             "tiles, so there is no curve to calibrate")
+                return
+            calibration, threshold = fitted
+            row.threshold = threshold
         # Eager: the output forward also counts skipped tiles where a route can (a sync per call, so not timed).
-        proc = self.install(setting, threshold, collect_stats=setting.skip and not compiled)
+        proc = self.install(setting, threshold, collect_stats=setting.skip and not compiled, calibration=calibration)
         out = self.forward()
         if stock_out is not None:
             row.rel_l1 = rel_l1(out.float(), stock_out.float())
@@ -387,7 +432,7 @@ class _ModelBench:
         if setting.skip and crit is not None:
             row.skipped = skipped_fraction(crit, threshold) if summary.sparse_self else 0.0
         if setting.skip and not compiled:
-            self.install(setting, threshold)  # timed without the counting
+            self.install(setting, threshold, calibration=calibration)  # timed without the counting
         row.ms, row.iters = self.time()
 
     def close(self) -> None:

@@ -155,6 +155,9 @@ def write_e2e_markdown(path: Path, env: dict[str, Any], opts: "E2EOptions", mode
         "over every skip-softmax call, blank when one ran on a route that does not count (fmha-v2). "
         "`routes`: attention role -> routes taken (+skip, +sage: that feature ran); "
         "`note`: what the processor's policy dropped, per role, or the error. "
+        "`skip-calibrated`: skip-softmax by `target_sparsity` under the default policy, with a curve "
+        "`factor = a * exp(b * s)` fitted to the reference's tiles at the target +- 0.1 (bench.e2e.calibration_for; "
+        "its threshold at the target is the row's). "
         "Structured weights: local self-attention (bench.models.local_attention, contrast per model below).",
         "",
     ]
