@@ -20,10 +20,10 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass, replace
 
-from .kernels._dense_order import TEXT_KV
+from .kernels._dense_order import LONG_KV, TEXT_KV
 from .routes import AttentionCall, device_sm
 
-__all__ = ["POLICIES", "FEATURES", "SHORT_KV", "SAGE_MIN_KV_SM90", "SAGE_INT8_MIN_KV_SM90", "SKIP_ALONE_MIN_SPARSITY_SM90",
+__all__ = ["POLICIES", "FEATURES", "SHORT_KV", "SAGE_MIN_KV_SM90", "SAGE_INT8_MIN_KV_SM90", "SKIP_ALONE_MIN_SPARSITY_SM90", "SKIP_ALONE_MIN_KV_SM90",
            "PolicyDecision", "apply_policy"]
 
 POLICIES = ("auto", "always")
@@ -55,6 +55,14 @@ SAGE_INT8_MIN_KV_SM90 = 65536
 #: e2e_h200.md) crosses near 36%. So skip alone runs only where a calibrated ``target_sparsity``
 #: promises at least this much; a bare threshold says nothing of the fraction.
 SKIP_ALONE_MIN_SPARSITY_SM90 = 0.35
+
+#: On SM90, skip-softmax without SAGE pays only on long KV. Flux 1024² (4,608 keys), structured weights at
+#: 50% skipped tiles on the H200 (benchmarks/results/e2e_h200_flux_skip.md): gluon 1.003x and, calibrated,
+#: 0.999x stock against fa3 dense's 1.004x, at about twice dense's error (rel-L1 0.0100 against 0.0058; a second
+#: run, e2e_h200_flux_skip_policy.md: 1.013x against 1.011x, within the ~1% timing noise);
+#: FMHAv2 earlier 0.993x at 46% (e2e_h200_small.md). The Wan forwards (32,760 keys) gain 4-6% at 50%. The
+#: line is the dense-order table's "long" bucket (``_dense_order.LONG_KV``): between the two measured sizes.
+SKIP_ALONE_MIN_KV_SM90 = LONG_KV
 
 # Under ring attention each KV shard runs the skip rule with a running max local to the shard. A shard
 # skipped about ``1 / ring_degree`` of what one process skips in the CPU simulation (structured inputs,
@@ -116,9 +124,13 @@ def apply_policy(call: AttentionCall, policy: str = "auto", honour: Collection[s
             why = "int8 SAGE (triton) is slower than fa3 dense" if int8 else "quantizing costs more than it saves"
             dropped.append(f"SAGE off: {kv} keys < {least}, {why} on SM90")
             call = replace(call, quant=None)
+    skip_alone = call.skip_factor is not None and call.quant is None and "skip" not in honour and hopper
     expected = None if target_sparsity is None else target_sparsity / call.kv_shards
-    if (call.skip_factor is not None and call.quant is None and "skip" not in honour and hopper
-            and (expected is None or expected < SKIP_ALONE_MIN_SPARSITY_SM90)):
+    if skip_alone and kv < SKIP_ALONE_MIN_KV_SM90:
+        dropped.append(f"skip-softmax off: alone on {kv} keys < {SKIP_ALONE_MIN_KV_SM90} it gains nothing over fa3 "
+                       "dense on SM90, even at 50% skipped tiles")
+        call = replace(call, skip_factor=None)
+    elif skip_alone and (expected is None or expected < SKIP_ALONE_MIN_SPARSITY_SM90):
         promised = "a bare threshold" if target_sparsity is None else f"target_sparsity {target_sparsity:g}"
         if target_sparsity is not None and call.kv_shards > 1:
             promised += f", about {expected:.0%} on each of {call.kv_shards} KV shards"

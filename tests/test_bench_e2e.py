@@ -166,10 +166,10 @@ def test_e2e_probe_models_on_gpu():
             ran = any("+skip" in route for role, route in r.routes.items() if role != "cross")
             # skip-softmax either ran on self/joint attention and skipped, or the policy says why it did not
             assert (r.skipped > 0.2) if ran else any("skip-softmax off" in n for n in r.policy.values()), r
-            if r.config in ("skip-always", "skip-calibrated"):
-                assert ran, r
-        if r.config == "skip-calibrated":
-            assert abs(r.skipped - 0.5) < 0.1, r
+            if r.config == "skip-always" or (r.config == "skip-calibrated" and r.model.startswith("wan")):
+                assert ran, r  # (Flux's 4,608 keys are too few for skip alone: the policy says so)
+            if r.config == "skip-calibrated" and ran:
+                assert abs(r.skipped - 0.5) < 0.1, r
         if r.model.startswith("wan") and "skip" in r.config:
             assert "+skip" not in r.routes["cross"] or r.config == "skip-always", r  # 512 text keys: skip cannot pay
             assert "+skip" in r.routes["cross"] or "cross" in r.policy, r

@@ -131,3 +131,14 @@ def test_skip_alone_needs_a_promised_sparsity_on_sm90(on_gpu):
     assert int8_480p.call.quant is None and int8_480p.call.skip_factor is None
     on_gpu(100)
     assert policy_mod.apply_policy(_call(32760, quant=None)).call.skip_factor == 1.0
+
+
+def test_skip_alone_needs_a_long_kv_on_sm90(on_gpu):
+    """Flux's 4,608 keys: skip alone gained nothing at 50% skipped on the H200, so even a promised 70% runs dense."""
+    flux = policy_mod.apply_policy(_call(4608, quant=None), target_sparsity=0.7)
+    assert flux.call.skip_factor is None and "4608 keys < 16384" in flux.note and "35%" not in flux.note
+    wan = policy_mod.apply_policy(_call(32760, quant=None), target_sparsity=0.7)
+    assert wan.call.skip_factor == 1.0 and wan.note is None
+    assert policy_mod.apply_policy(_call(4608, quant=None), honour=("skip",)).call.skip_factor == 1.0
+    fp8 = QuantConfig(dtype_qk="fp8_e4m3")
+    assert policy_mod.apply_policy(_call(4608, quant=fp8), honour=("sage",)).call.skip_factor == 1.0  # beside SAGE
