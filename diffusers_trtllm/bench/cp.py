@@ -31,9 +31,6 @@ import torch.distributed as dist
 
 from .cli import add_common_args, names
 from .e2e import DEFAULT_THRESHOLD, SETTINGS, _sdpa_context, processor_summary
-
-#: The e2e settings this bench runs: every one but those calibrated on the e2e bench's own stock forward.
-CP_SETTINGS = {name: s for name, s in SETTINGS.items() if s.target_sparsity is None}
 from .models import MODELS, build_model, local_attention, model_inputs
 from .report import environment, format_cp_markdown
 from .timing import rel_l1, time_fn
@@ -42,6 +39,9 @@ __all__ = ["run_cp", "main"]
 
 #: Wan 2.1 at 720p, 81 frames: 21 x 90 x 160 latents, 75,600 tokens after 1x2x2 patches.
 WAN_720P = (16, 21, 90, 160)
+
+#: The e2e settings this bench runs: every one but those calibrated on the e2e bench's own stock forward.
+CP_SETTINGS = {name: s for name, s in SETTINGS.items() if s.target_sparsity is None}
 
 
 def _init_distributed(device: str) -> torch.device:
