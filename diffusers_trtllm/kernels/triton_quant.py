@@ -11,6 +11,9 @@ fp8 tensor-core product needs the reduction dimension (tokens, in P·V)
 contiguous. Sequence ``b`` starts there at column ``vt_start(b) = 16 * (cu[b] // 16
 + 2 * b)``, a multiple of 16 (TMA box offsets along the contiguous dimension must
 be 16-byte aligned) computable in-kernel; the gap up to the next start is zeroed.
+With ``mma_key_order`` (the ``sage-sm90`` kernel's layout) the keys of every aligned group of 16
+columns are stored permuted, position ``4t + 2h + e`` holding key ``8h + 2t + e``: the order in which that
+kernel's P·V product reads P straight from its score registers (``csrc/sage_sm90.cu``).
 Rounding is done explicitly (round half to even), so the stored values equal the
 reference's whatever path the compiler takes for a cast. Where fp8 is not native (the Triton interpreter, whose fp8
 casts round wrongly, and SM80/86, which have no fp8), values are rounded to the
@@ -34,7 +37,7 @@ from ..config import QuantConfig
 from ..layout import PackedLayout
 from .reference import AMAX_FLOOR, FP8_MAX
 
-__all__ = ["TritonSage", "sage_quantize_triton", "fp8_native", "interpreting", "round_fp8_grid", "vt_start", "max_nan"]
+__all__ = ["TritonSage", "sage_quantize_triton", "mma_key_column", "fp8_native", "interpreting", "round_fp8_grid", "vt_start", "max_nan"]
 
 #: Tokens per program of the quantization kernel (a multiple of every block size).
 QUANT_BLOCK_T = 64
@@ -74,13 +77,17 @@ class TritonSage:
     q_scale: torch.Tensor
     k_scale: torch.Tensor
     v_scale: torch.Tensor
+    #: ``vt``'s keys are in the ``sage-sm90`` kernel's order within each group of 16 columns.
+    mma_key_order: bool = False
 
     def v(self, layout: PackedLayout) -> torch.Tensor:
         """V back in ``[tokens, kv_heads, dim]`` order (for tests and inspection)."""
         kv_heads, dim = self.v_scale.shape
         cu = [0, *itertools.accumulate(layout.kv_lens)]
-        cols = torch.cat([torch.arange(n) + vt_start.fn(b, cu[b]) for b, n in enumerate(layout.kv_lens)]).to(self.vt.device)
-        return self.vt[:, cols].reshape(kv_heads, dim, -1).permute(2, 0, 1)
+        cols = torch.cat([torch.arange(n) + vt_start.fn(b, cu[b]) for b, n in enumerate(layout.kv_lens)])
+        if self.mma_key_order:
+            cols = mma_key_column.fn(cols)
+        return self.vt[:, cols.to(self.vt.device)].reshape(kv_heads, dim, -1).permute(2, 0, 1)
 
 
 def scale_slots(lens: tuple[int, ...], block: int) -> int:
@@ -92,6 +99,14 @@ def scale_slots(lens: tuple[int, ...], block: int) -> int:
 def vt_start(seq, kv_start):
     """Column of sequence ``seq``'s first token in the transposed V (``vt_start.fn`` on the host)."""
     return 16 * (kv_start // 16 + 2 * seq)
+
+
+@triton.jit
+def mma_key_column(col):
+    """Where key column ``col`` of the transposed V is stored in the ``sage-sm90`` order (``mma_key_column.fn``
+    on the host): within its aligned group of 16, key ``8h + 2t + e`` moves to ``4t + 2h + e``."""
+    c = col % 16
+    return col - c + 4 * ((c % 8) // 2) + 2 * (c // 8) + c % 2
 
 
 @triton.jit
@@ -152,7 +167,7 @@ def _sage_quant_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
     Q_BS: tl.constexpr, K_BS: tl.constexpr, QMAX: tl.constexpr, IS_INT8: tl.constexpr,
-    SMOOTH_K: tl.constexpr, NATIVE: tl.constexpr,
+    SMOOTH_K: tl.constexpr, NATIVE: tl.constexpr, MMA_KEY_ORDER: tl.constexpr,
 ):
     tile = tl.program_id(0)
     seq = tl.program_id(1)
@@ -194,16 +209,23 @@ def _sage_quant_kernel(
             vq = tl.trans(v.to(tl.float8e4nv) if NATIVE else v.to(tl.float16))  # [D, BLOCK_T]: tokens contiguous
             v_rows = vt_ptr + (head * D + dims)[:, None].to(tl.int64) * vt_stride
             first = vt_start(seq, start)
-            tl.store(v_rows + (first + local + rows)[None, :], vq, mask=ok[None, :])
+            cols = first + local + rows
+            gap_cols = first + length + rows
+            if MMA_KEY_ORDER:
+                cols = mma_key_column(cols)
+                gap_cols = mma_key_column(gap_cols)
+            tl.store(v_rows + cols[None, :], vq, mask=ok[None, :])
             if local + BLOCK_T >= length:  # last tile: zero the gap up to the next sequence's start
                 gap = vt_start(seq + 1, start + length) - first - length
-                tl.store(v_rows + (first + length + rows)[None, :], tl.zeros_like(vq), mask=(rows < gap)[None, :])
+                tl.store(v_rows + gap_cols[None, :], tl.zeros_like(vq), mask=(rows < gap)[None, :])
 
 
 def sage_quantize_triton(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PackedLayout, quant: QuantConfig
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PackedLayout, quant: QuantConfig,
+    mma_key_order: bool = False,
 ) -> TritonSage:
-    """Quantize packed ``[tokens, heads, dim]`` Q, K, V for the ``triton`` route."""
+    """Quantize packed ``[tokens, heads, dim]`` Q, K, V for the ``triton`` route (``mma_key_order``: in the
+    ``sage-sm90`` kernel's key order)."""
     tokens_kv, kv_heads, dim = k.shape
     heads = q.shape[1]
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -226,6 +248,7 @@ def sage_quantize_triton(
         q_scale=torch.empty(heads, n_q_blocks, dtype=torch.float32, device=q.device),
         k_scale=torch.empty(kv_heads, n_k_blocks, dtype=torch.float32, device=q.device),
         v_scale=v_scale,
+        mma_key_order=mma_key_order,
     )
     n_q_tiles = triton.cdiv(layout.max_seqlen_q, QUANT_BLOCK_T)
     n_kv_tiles = triton.cdiv(layout.max_seqlen_kv, QUANT_BLOCK_T)
@@ -238,7 +261,7 @@ def sage_quantize_triton(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         H=heads, HKV=kv_heads, D=dim, BLOCK_T=QUANT_BLOCK_T,
         Q_BS=quant.q_block_size, K_BS=quant.k_block_size, QMAX=quant.qk_max,
-        IS_INT8=qk_dtype == torch.int8, SMOOTH_K=quant.smooth_k, NATIVE=native,
+        IS_INT8=qk_dtype == torch.int8, SMOOTH_K=quant.smooth_k, NATIVE=native, MMA_KEY_ORDER=mma_key_order,
         num_warps=4,
     )
     return out

@@ -1,0 +1,156 @@
+"""Sweep the ``sage-sm90`` kernel's builds beside cuDNN, SageAttention2 and the triton int8 route (H100/H200).
+
+    python3 benchmarks/bench_sage_sm90.py --shapes wan_14b_480p,flux_1024 --out benchmarks/results/sage_sm90_sweep_h200.json
+
+Whole calls (quantization included), structured inputs (locality 0.5), median CUDA-event time; speed is a
+ratio to cuDNN SDPA timed in the same run on the same inputs; rel-L1 / cosine against fp32 dense attention
+on a subset of heads. The skip rows use the threshold at which the reference skips the target fraction of
+this kernel's 64 x 128 tiles (``tile_criticals`` on the same heads).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import platform
+import sys
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from diffusers_trtllm.bench.inputs import parse_shapes, structured_qkv
+from diffusers_trtllm.bench.suite import heads_subset
+from diffusers_trtllm.bench.timing import cosine, rel_l1, threshold_for, tile_criticals, time_fn
+from diffusers_trtllm.config import QuantConfig
+from diffusers_trtllm.kernels.sage_sm90 import BLOCK_M, BLOCK_N, sage_sm90_attention
+from diffusers_trtllm.kernels.triton_attn import triton_attention
+from diffusers_trtllm.layout import PackedLayout
+
+#: Compile-time variants of the kernel (``-D`` defines of ``csrc/sage_sm90.cu``), by name.
+BUILDS = {
+    "default": (),
+    "nopingpong": ("SAGE_SM90_PINGPONG=0",),
+    "2stages": ("SAGE_SM90_STAGES=2",),
+    "mufu-only": ("SAGE_SM90_SOFT_EXP=0",),
+}
+
+
+def run_shape(shape, builds, targets, iters) -> list[dict]:
+    dev = torch.device("cuda")
+    q, k, v = (x[0].contiguous() for x in structured_qkv(shape, 0.5, device=dev))
+    layout = PackedLayout.dense(1, q.shape[0], k.shape[0], dev)
+    scale = shape.head_dim**-0.5
+    heads = heads_subset(shape.heads, 4)
+    with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+        sub = [x[:, heads].float().transpose(0, 1)[None] for x in (q, k, v)]
+        ref = F.scaled_dot_product_attention(*sub, scale=scale)[0].transpose(0, 1)
+    crit = tile_criticals(q[:, heads], k[:, heads], scale, BLOCK_M, BLOCK_N)
+    quant = QuantConfig("int8", 1, 16)
+    qh, kh, vh = (x.transpose(0, 1)[None].contiguous() for x in (q, k, v))
+
+    def cudnn():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(qh, kh, vh, scale=scale)[0].transpose(0, 1)
+
+    impls = {"cudnn": cudnn}
+    try:
+        import sageattention
+
+        k_own = k.clone()[None]  # sageattn smooths K in place
+        impls["sageattn"] = lambda: sageattention.sageattn(q[None], k_own, v[None], tensor_layout="NHD",
+                                                           is_causal=False, sm_scale=scale)[0]
+    except ImportError as err:
+        print("sageattn unavailable:", err)
+    impls["triton-int8"] = lambda: triton_attention(q, k, v, layout, softmax_scale=scale, quant=quant).out
+    for target in targets:
+        lam = threshold_for(crit, target)
+        if lam is not None:
+            factor = lam * layout.max_seqlen_kv
+            impls[f"triton-int8+skip{int(target * 100)}"] = lambda f=factor: triton_attention(
+                q, k, v, layout, softmax_scale=scale, quant=quant, skip_factor=f).out
+    for name, defines in builds.items():
+        impls[f"sage-sm90[{name}]"] = lambda d=defines: sage_sm90_attention(
+            q, k, v, layout, softmax_scale=scale, quant=quant, defines=d).out
+        impls[f"sage-sm90[{name}]+skip0"] = lambda d=defines: sage_sm90_attention(
+            q, k, v, layout, softmax_scale=scale, quant=quant, skip_factor=0.0, defines=d).out
+        for target in targets:
+            lam = threshold_for(crit, target)
+            if lam is None:
+                continue
+            factor = lam * layout.max_seqlen_kv
+            impls[f"sage-sm90[{name}]+skip{int(target * 100)}"] = lambda d=defines, f=factor: sage_sm90_attention(
+                q, k, v, layout, softmax_scale=scale, quant=quant, skip_factor=f, defines=d).out
+    rows, base = [], None
+    for name, fn in impls.items():
+        try:
+            out = fn()
+            t = time_fn(fn, dev, warmup=3, iters=iters, max_seconds=4.0).median_ms
+        except Exception as err:  # report and go on: one broken build must not hide the others
+            print(f"{shape.name} {name}: FAILED {type(err).__name__}: {err}")
+            rows.append(dict(shape=shape.name, impl=name, error=f"{type(err).__name__}: {err}"))
+            continue
+        base = base or t
+        o = out.reshape(q.shape)[:, heads].float()
+        row = dict(shape=shape.name, impl=name, ms=t, vs_cudnn=base / t,
+                   tflops=shape.flops() / t / 1e9, rel_l1=rel_l1(o, ref), cosine=cosine(o, ref))
+        rows.append(row)
+        print(f"{shape.name:14s} {name:34s} {t:8.3f} ms {base / t:6.3f}x  rel-L1 {row['rel_l1']:.4f}  "
+              f"cos {row['cosine']:.5f}", flush=True)
+    return rows
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def markdown(result: dict) -> str:
+    """The sweep as a Markdown table, with the environment and command that produced it."""
+    env = result["environment"]
+    lines = [f"GPU {env['gpu']}, torch {env['torch']}, CUDA {env['cuda']}, cuDNN {env['cudnn']}, "
+             f"SageAttention {env.get('sageattention', 'not recorded')}; "
+             f"`{result['command']}`", "",
+             "| shape | implementation | ms | vs cuDNN | rel-L1 | cosine |", "|---|---|---:|---:|---:|---:|"]
+    for r in result["rows"]:
+        if "error" in r:
+            lines.append(f"| {r['shape']} | {r['impl']} | failed: {r['error']} | | | |")
+        else:
+            lines.append(f"| {r['shape']} | {r['impl']} | {r['ms']:.3f} | {r['vs_cudnn']:.3f}x | {r['rel_l1']:.4f} | "
+                         f"{r['cosine']:.5f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default="wan_14b_480p,wan_14b_720p,flux_1024")
+    p.add_argument("--builds", default=",".join(BUILDS))
+    p.add_argument("--target-skips", default="0.5")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--out", default=None, help="JSON results file; a Markdown table is written beside it")
+    args = p.parse_args()
+    builds = {b: BUILDS[b] for b in args.builds.split(",") if b}
+    targets = [float(x) for x in args.target_skips.split(",") if x]
+    rows = []
+    for shape in parse_shapes(args.shapes):
+        rows += run_shape(shape, builds, targets, args.iters)
+        torch.cuda.empty_cache()
+    if args.out:
+        env = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, python=platform.python_version(),
+                   cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version(), triton=triton.__version__,
+                   sageattention=_version("sageattention"))
+        result = dict(environment=env, command=" ".join(["python3", "benchmarks/bench_sage_sm90.py", *sys.argv[1:]]),
+                      rows=rows)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+        with open(os.path.splitext(args.out)[0] + ".md", "w") as f:
+            f.write(markdown(result))
+
+
+if __name__ == "__main__":
+    main()

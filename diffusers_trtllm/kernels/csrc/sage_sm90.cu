@@ -1,0 +1,690 @@
+// sage_sm90.cu: int8 SAGE attention with skip-softmax for Hopper (sm_90a), diffusers-trtllm's own kernel.
+//
+// What it computes is docs/design.md's "Semantics every route shares" with tiles of 64 query rows x 128
+// keys: int8 Q and K with per-block scales (SAGE), fp8 e4m3 P (scaled by 448) and V (per-channel scales),
+// the skip-softmax tile rule, ragged batches through cu_seqlens, GQA. The host side is
+// kernels/sage_sm90.py; it compiles this file with nvcc at first use (kernels/cuda_jit.py).
+//
+// Structure (FA3-style warp specialization): one CTA serves 128 query rows of one (sequence, head) with
+// three warpgroups. Warpgroup 0 is the producer: one thread streams K and V^T tiles through TMA into a
+// ring of shared-memory stages (mbarriers "full" and "empty" per stage) and one warp stages each key's
+// K scale beside them. Warpgroups 1 and 2 are the consumers, 64 query rows each; they take turns issuing
+// their tensor-core work (PINGPONG) so that one's softmax overlaps the other's matrix products, and each
+// issues P.V of tile n together with Q.K^T of tile n + 1.
+//
+// Per KV tile a consumer: S = Q K^T (wgmma int8 -> int32); the row max over integers within each group of
+// scores sharing a K scale, scaled once per group; the skip vote (one warpgroup-wide OR); p = 448 * 2^x
+// with x one FFMA on S's exact float (about a quarter of them by a cubic on the FMA pipe, the rest on the
+// transcendental unit, which would otherwise bound the kernel); P packed to fp8 in the register order the
+// P.V wgmma reads as its A operand; O = O * alpha + P V^T (wgmma fp8 -> fp32; the rescale is left out
+// while no row's max moved) and l = l * alpha + the tile's row sums (a small wgmma, see E4M3_ONES).
+// A fresh accumulator per tile for O (SageAttention2's two-level accumulation) measured the same rel-L1
+// on wan_14b_480p to four digits and costs 64 registers; it is not used.
+//
+// Register-order trick: the S accumulator gives thread (g, t) of a warp the columns {2t, 2t+1, 8+2t, 9+2t}
+// of each 16 keys; the A fragment of a k32 fp8 wgmma wants columns {4t..4t+3}. Since P.V sums over keys,
+// any order works as long as V^T's columns follow it: the quantizer stores V^T with the keys of every
+// aligned group of 16 permuted (position 4t + 2h + e holds key 8h + 2t + e), so no shuffles are needed.
+//
+// Build knobs (-D): SAGE_SM90_STAGES (pipeline depth), SAGE_SM90_PINGPONG, SAGE_SM90_SOFT_EXP; the defaults
+// are the fastest measured (benchmarks/results/sage_sm90_sweep_h200.md).
+
+#include <stdint.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#ifndef SAGE_SM90_SOFT_EXP  // of each row's 16 score chunks, how many take exp2_poly (fast path)
+#define SAGE_SM90_SOFT_EXP 4
+#endif
+#ifndef SAGE_SM90_STAGES
+#define SAGE_SM90_STAGES 4
+#endif
+#ifndef SAGE_SM90_PINGPONG
+#define SAGE_SM90_PINGPONG 1
+#endif
+
+namespace sage_sm90 {
+
+constexpr int BLOCK_M = 64;    // query rows per consumer warpgroup: the skip rule's tile_q
+constexpr int BLOCK_N = 128;   // keys per tile: tile_kv
+constexpr int CONSUMERS = 2;
+constexpr int THREADS = 128 * (CONSUMERS + 1);
+constexpr float LOG2_P_SCALE = 8.807354922057604f;  // log2(448): P is stored as 448 * p
+constexpr float NEG_INF = -__builtin_huge_valf();
+
+// The driver's CUtensorMap, opaque: 128 bytes, 64-byte aligned (kernel parameters by value).
+struct alignas(64) TensorMap { uint64_t opaque[16]; };
+
+struct Params {
+  void* out;               // [tokens_q, heads, D] bf16 or fp16
+  const float* q_scale;    // [heads, n_q_blocks]
+  const float* k_scale;    // [kv_heads, n_k_blocks]
+  const float* v_scale;    // [kv_heads, D]
+  const int* cu_q;         // [num_seqs + 1]
+  const int* cu_kv;
+  int* stats;              // skipped-tile counter (only written when count_skipped)
+  float qk_scale_log2;     // softmax_scale * log2(e)
+  float skip_factor;       // lambda = skip_factor / kv_len; 0: never skip
+  int n_q_blocks;
+  int n_k_blocks;
+  long long out_stride_t;  // elements
+  long long out_stride_h;
+  int heads;
+  int group;               // query heads per KV head
+  int q_shift;             // log2(q_block_size)
+  int k_shift;             // log2(k_block_size)
+  int count_skipped;
+};
+
+// ---- PTX wrappers -------------------------------------------------------------------------------------
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count));
+}
+
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes));
+}
+
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)));
+}
+
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred done;\n"
+      "WAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT_%=;\n}\n" ::"r"(smem_addr(bar)),
+      "r"(parity));
+}
+
+// 2-D TMA load of one box at (c0 = inner, c1 = outer) into shared memory, completing on `bar`.
+__device__ __forceinline__ void tma_load_2d(void* dst, const TensorMap* map, uint64_t* bar, int c0, int c1) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];\n" ::"r"(
+          smem_addr(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(c0), "r"(c1)
+      : "memory");
+}
+
+__device__ __forceinline__ void named_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+__device__ __forceinline__ void named_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// OR of `want` over the 128 threads of one warpgroup (named barrier `id`).
+__device__ __forceinline__ bool warpgroup_any(int id, bool want) {
+  uint32_t out;
+  asm volatile(
+      "{\n.reg .pred pin, pout;\nsetp.ne.b32 pin, %1, 0;\n"
+      "bar.red.or.pred pout, %2, 128, pin;\nselp.u32 %0, 1, 0, pout;\n}\n"
+      : "=r"(out)
+      : "r"(static_cast<uint32_t>(want)), "r"(id)
+      : "memory");
+  return out != 0;
+}
+
+__device__ __forceinline__ float max_nan(float a, float b) {  // NaN wins, as torch.amax
+  float d;
+  asm("max.NaN.f32 %0, %1, %2;\n" : "=f"(d) : "f"(a), "f"(b));
+  return d;
+}
+
+__device__ __forceinline__ float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// 2^x on the FMA pipe for x <= 9 (NaN stays NaN; below 2^-120 it is not 0 but as good as, once P is fp8):
+// x = n + f with n = round(x), 2^f by a cubic on [-1/2, 1/2] (relative error 1e-4, far under fp8's 6%),
+// and n added to the exponent bits.
+__device__ __forceinline__ float exp2_poly(float x) {
+  x = max_nan(x, -120.f);
+  const float t = x + 12582912.0f;  // 1.5 * 2^23 + round(x) in the low mantissa bits
+  const float f = x - (t - 12582912.0f);
+  const float p = fmaf(f, fmaf(f, fmaf(f, 0.0555041086648216f, 0.2402265069591007f), 0.6931471805599453f), 1.0f);
+  return __int_as_float(__float_as_int(p) + (__float_as_int(t) << 23));
+}
+
+// Four floats to four e4m3 bytes, `a` in the lowest byte (round to nearest even, saturating).
+__device__ __forceinline__ uint32_t pack_e4m3(float a, float b, float c, float d) {
+  uint16_t lo, hi;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(lo) : "f"(b), "f"(a));
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(hi) : "f"(d), "f"(c));
+  return static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+}
+
+// An int32 |x| < 2^22 as an exact float: adding 1.5 * 2^23's bit pattern places x in the mantissa. An
+// integer add and a float add, where cvt (I2FP) would take the transcendental unit the exponentials need.
+__device__ __forceinline__ float exact_float(int32_t x) { return __int_as_float(x + 0x4B400000) - 12582912.0f; }
+
+__device__ __forceinline__ float ld_shared_f32(uint32_t addr) {
+  float v;
+  asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v) : "r"(addr));
+  return v;
+}
+
+struct MaxNan {
+  __device__ __forceinline__ float operator()(float a, float b) const { return max_nan(a, b); }
+};
+struct Add {
+  __device__ __forceinline__ float operator()(float a, float b) const { return a + b; }
+};
+
+// Reduction of 16 values in 4 dependent steps (a chain would take 15).
+template <typename Op>
+__device__ __forceinline__ float tree_reduce(float (&r)[16]) {
+  const Op op;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) r[j] = op(r[j], r[j + 8]);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) r[j] = op(r[j], r[j + 4]);
+  r[0] = op(r[0], r[2]);
+  r[1] = op(r[1], r[3]);
+  return op(r[0], r[1]);
+}
+
+// Shared-memory matrix descriptor of a K-major tile whose rows are `row_bytes` long (64 or 128), swizzled
+// by the same width (what TMA wrote): 8-row groups are 8 * row_bytes apart.
+__device__ __forceinline__ uint64_t smem_desc(uint32_t addr, int row_bytes) {
+  const uint64_t swizzle = row_bytes == 128 ? 1 : 2;  // 1: 128B, 2: 64B
+  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (1ull << 16) |
+         (static_cast<uint64_t>((8 * row_bytes) >> 4) << 32) | (swizzle << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+// Wait until at most N committed groups of this warpgroup's products are still running.
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+
+// Keep the compiler from moving accesses of an accumulator across the asynchronous products.
+template <int N>
+__device__ __forceinline__ void fence_operand(float (&x)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(x[i])::"memory");
+}
+
+template <int N>
+__device__ __forceinline__ void fence_operand(int32_t (&x)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+r"(x[i])::"memory");
+}
+
+__device__ __forceinline__ void setmaxnreg_dec24() { asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n"); }
+__device__ __forceinline__ void setmaxnreg_inc240() { asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n"); }
+
+// D (+)= A * B^T, A (Q) and B (K) int8 in shared memory, K-major; D int32 [64 x 128]. ACCUMULATE false
+// overwrites D (write-only operands, so the compiler keeps no stale values alive).
+template <bool ACCUMULATE>
+__device__ __forceinline__ void wgmma_s8_m64n128k32(int32_t (&d)[64], uint64_t desc_a, uint64_t desc_b) {
+  if constexpr (ACCUMULATE) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p;\n}\n"
+        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7]), "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]), "+r"(d[14]), "+r"(d[15]), "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]), "+r"(d[21]), "+r"(d[22]), "+r"(d[23]), "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), "+r"(d[28]), "+r"(d[29]), "+r"(d[30]), "+r"(d[31]), "+r"(d[32]), "+r"(d[33]), "+r"(d[34]), "+r"(d[35]), "+r"(d[36]), "+r"(d[37]), "+r"(d[38]), "+r"(d[39]), "+r"(d[40]), "+r"(d[41]), "+r"(d[42]), "+r"(d[43]), "+r"(d[44]), "+r"(d[45]), "+r"(d[46]), "+r"(d[47]), "+r"(d[48]), "+r"(d[49]), "+r"(d[50]), "+r"(d[51]), "+r"(d[52]), "+r"(d[53]), "+r"(d[54]), "+r"(d[55]), "+r"(d[56]), "+r"(d[57]), "+r"(d[58]), "+r"(d[59]), "+r"(d[60]), "+r"(d[61]), "+r"(d[62]), "+r"(d[63])
+        : "l"(desc_a), "l"(desc_b), "r"(1));
+  } else {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p;\n}\n"
+        : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3]), "=r"(d[4]), "=r"(d[5]), "=r"(d[6]), "=r"(d[7]), "=r"(d[8]), "=r"(d[9]), "=r"(d[10]), "=r"(d[11]), "=r"(d[12]), "=r"(d[13]), "=r"(d[14]), "=r"(d[15]), "=r"(d[16]), "=r"(d[17]), "=r"(d[18]), "=r"(d[19]), "=r"(d[20]), "=r"(d[21]), "=r"(d[22]), "=r"(d[23]), "=r"(d[24]), "=r"(d[25]), "=r"(d[26]), "=r"(d[27]), "=r"(d[28]), "=r"(d[29]), "=r"(d[30]), "=r"(d[31]), "=r"(d[32]), "=r"(d[33]), "=r"(d[34]), "=r"(d[35]), "=r"(d[36]), "=r"(d[37]), "=r"(d[38]), "=r"(d[39]), "=r"(d[40]), "=r"(d[41]), "=r"(d[42]), "=r"(d[43]), "=r"(d[44]), "=r"(d[45]), "=r"(d[46]), "=r"(d[47]), "=r"(d[48]), "=r"(d[49]), "=r"(d[50]), "=r"(d[51]), "=r"(d[52]), "=r"(d[53]), "=r"(d[54]), "=r"(d[55]), "=r"(d[56]), "=r"(d[57]), "=r"(d[58]), "=r"(d[59]), "=r"(d[60]), "=r"(d[61]), "=r"(d[62]), "=r"(d[63])
+        : "l"(desc_a), "l"(desc_b), "r"(0));
+  }
+}
+
+// D (+)= A * B^T, A (P) fp8 e4m3 in registers, B (V^T) fp8 e4m3 in shared memory, K-major; D fp32 [64 x 128].
+template <bool ACCUMULATE>
+__device__ __forceinline__ void wgmma_e4m3_m64n128k32(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b) {
+  if constexpr (ACCUMULATE) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+  } else {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7]), "=f"(d[8]), "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]), "=f"(d[14]), "=f"(d[15]), "=f"(d[16]), "=f"(d[17]), "=f"(d[18]), "=f"(d[19]), "=f"(d[20]), "=f"(d[21]), "=f"(d[22]), "=f"(d[23]), "=f"(d[24]), "=f"(d[25]), "=f"(d[26]), "=f"(d[27]), "=f"(d[28]), "=f"(d[29]), "=f"(d[30]), "=f"(d[31]), "=f"(d[32]), "=f"(d[33]), "=f"(d[34]), "=f"(d[35]), "=f"(d[36]), "=f"(d[37]), "=f"(d[38]), "=f"(d[39]), "=f"(d[40]), "=f"(d[41]), "=f"(d[42]), "=f"(d[43]), "=f"(d[44]), "=f"(d[45]), "=f"(d[46]), "=f"(d[47]), "=f"(d[48]), "=f"(d[49]), "=f"(d[50]), "=f"(d[51]), "=f"(d[52]), "=f"(d[53]), "=f"(d[54]), "=f"(d[55]), "=f"(d[56]), "=f"(d[57]), "=f"(d[58]), "=f"(d[59]), "=f"(d[60]), "=f"(d[61]), "=f"(d[62]), "=f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(0));
+  }
+}
+
+// D (+)= A * B^T, A (P) fp8 e4m3 in registers, B (V^T) fp8 e4m3 in shared memory, K-major; D fp32 [64 x 64].
+template <bool ACCUMULATE>
+__device__ __forceinline__ void wgmma_e4m3_m64n64k32(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b) {
+  if constexpr (ACCUMULATE) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+  } else {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7]), "=f"(d[8]), "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]), "=f"(d[14]), "=f"(d[15]), "=f"(d[16]), "=f"(d[17]), "=f"(d[18]), "=f"(d[19]), "=f"(d[20]), "=f"(d[21]), "=f"(d[22]), "=f"(d[23]), "=f"(d[24]), "=f"(d[25]), "=f"(d[26]), "=f"(d[27]), "=f"(d[28]), "=f"(d[29]), "=f"(d[30]), "=f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(0));
+  }
+}
+
+// D (+)= A * B^T, A (P) fp8 e4m3 in registers, B (V^T) fp8 e4m3 in shared memory, K-major; D fp32 [64 x 8].
+template <bool ACCUMULATE>
+__device__ __forceinline__ void wgmma_e4m3_m64n8k32(float (&d)[4], const uint32_t (&a)[4], uint64_t desc_b) {
+  if constexpr (ACCUMULATE) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+  } else {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1;\n}\n"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(0));
+  }
+}
+
+// Row sums of P by the tensor cores: below every stage's V^T tile sit 8 more rows, the first all ones (e4m3
+// 1.0) and the rest zeros, and a k32 product of P with them (N = 8) gives each row's sum in column 0. It
+// runs into a fresh accumulator per tile and is added to l in fp32: accumulated across tiles inside the
+// tensor cores, whose fp8 products keep fewer bits than fp32, the sums came out biased (rel-L1 0.043 / 0.068
+// against 0.033 on wan_14b_480p / 720p, H200).
+constexpr uint32_t E4M3_ONES = 0x38383838u;
+
+template <int D>
+__device__ __forceinline__ void wgmma_pv(float (&d)[D / 2], const uint32_t (&a)[4], uint64_t desc_b) {
+  if constexpr (D == 128) {
+    wgmma_e4m3_m64n128k32<true>(d, a, desc_b);
+  } else {
+    wgmma_e4m3_m64n64k32<true>(d, a, desc_b);
+  }
+}
+
+// S = Q K^T for one KV tile: D / 32 products of k32.
+template <int D>
+__device__ __forceinline__ void issue_qk(int32_t (&acc)[64], uint64_t desc_q, uint64_t desc_k) {
+  wgmma_s8_m64n128k32<false>(acc, desc_q, desc_k);
+#pragma unroll
+  for (int kk = 1; kk < D / 32; ++kk) wgmma_s8_m64n128k32<true>(acc, desc_q + 2 * kk, desc_k + 2 * kk);
+}
+
+// O += P V and the tile's row sums (fresh) for one KV tile: 128 keys in four k32 products each.
+template <int D>
+__device__ __forceinline__ void issue_pv(float (&o)[D / 2], float (&sums)[4], const uint32_t (&pa)[4][4],
+                                         uint64_t desc_v, uint64_t desc_ones) {
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) wgmma_pv<D>(o, pa[kk], desc_v + 2 * kk);
+  wgmma_e4m3_m64n8k32<false>(sums, pa[0], desc_ones);
+#pragma unroll
+  for (int kk = 1; kk < 4; ++kk) wgmma_e4m3_m64n8k32<true>(sums, pa[kk], desc_ones + 2 * kk);
+}
+
+// ---- shared memory ------------------------------------------------------------------------------------
+
+template <int D, int STAGES>
+struct Smem {
+  uint8_t q[CONSUMERS * BLOCK_M * D];  // rows of D bytes, D-byte swizzle
+  uint8_t k[STAGES][BLOCK_N * D];      // rows of D bytes
+  uint8_t v[STAGES][(D + 8) * BLOCK_N];  // V^T tile: D rows of 128 keys (128-byte swizzle), then ones, zeros
+  float k_scale[STAGES][BLOCK_N];      // each key's scale, staged by the producer
+  uint64_t full_q;
+  uint64_t full_k[STAGES];             // K tile (TMA) and its scales (32 producer lanes)
+  uint64_t full_v[STAGES];
+  uint64_t empty[STAGES];
+};
+
+template <int D, int STAGES>
+constexpr int smem_bytes() { return static_cast<int>(sizeof(Smem<D, STAGES>)) + 1024; }  // + alignment slack
+
+// 16 values of P (accumulator chunks 4kk..4kk+3) as the k32 A fragment of the P.V product.
+__device__ __forceinline__ void pack_p(uint32_t (&a)[4], const float (&x)[16]) {
+  a[0] = pack_e4m3(x[0], x[1], x[4], x[5]);
+  a[1] = pack_e4m3(x[2], x[3], x[6], x[7]);
+  a[2] = pack_e4m3(x[8], x[9], x[12], x[13]);
+  a[3] = pack_e4m3(x[10], x[11], x[14], x[15]);
+}
+
+// Accumulator index of a thread's e-th score of row r (e in [0, 32): chunk e / 2, column e % 2).
+__device__ __forceinline__ constexpr int acc_index(int r, int e) { return 4 * (e / 2) + 2 * r + e % 2; }
+// Key (within the tile) of a thread's e-th score: chunk e / 2 covers keys 8 (e / 2) .. + 7.
+__device__ __forceinline__ int key_of(int e, int t) { return 8 * (e / 2) + 2 * t + e % 2; }
+
+// Softmax of one tile, from S (int32) to P (fp8, in the P.V product's register order).
+//
+// G consecutive scores of a thread's row share one K scale (k_block_size 16: G = 4; 4: G = 2; 1: G = 1),
+// so the row max is taken over integers within each group and scaled once per group, and the exponent is
+// one FFMA per score on S's exact float: 2^(S * c + b) with c = k_scale * q_scale' and b folding in the max
+// (fast path). Rows whose magnitudes make that rounding matter (|m * qs| >= 2^12 or c >= 2^-8), and the
+// ragged last tile (MASKED: keys past the sequence are -inf), take the exact path: s = S * k_scale rounded
+// once, then 2^((s - m) * qs), which is exactly 2^0 at the maximum whatever the magnitude.
+//
+// Returns whether the tile is kept (the skip vote, when `vote`); alpha is each row's rescale of O.
+template <int G, bool MASKED, bool SKIP>
+__device__ __forceinline__ bool tile_softmax(const int32_t (&acc)[64], uint32_t k_scale_addr, int t, int keys_left,
+                                             bool vote, int vote_barrier, bool ok0, bool ok1, float log2_lam,
+                                             float qs0, float qs1, float& m_0, float& m_1, float& alpha0,
+                                             float& alpha1, uint32_t (&pa)[4][4]) {
+  constexpr int NG = 32 / G;  // groups per row
+  float ks_max = 0.f;
+
+  // Row maxima: per group over integers (exact), scaled once; -inf past the keys in a ragged tile.
+  float gm[2][16];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+#pragma unroll
+    for (int g = 0; g < NG; ++g) {
+      const float k = ld_shared_f32(k_scale_addr + 4 * key_of(G * g, t));
+      if (r == 0) ks_max = fmaxf(ks_max, k);
+      if constexpr (MASKED || G == 1) {
+        float best = NEG_INF;
+#pragma unroll
+        for (int e = G * g; e < G * (g + 1); ++e) {
+          const float s = (MASKED && key_of(e, t) >= keys_left) ? NEG_INF : __fmul_rn(exact_float(acc[acc_index(r, e)]), k);
+          best = max_nan(best, s);
+        }
+        if constexpr (NG == 32) {  // G == 1: pairs go into the 16-wide tree
+          if (g % 2 == 0) gm[r][g / 2] = best; else gm[r][g / 2] = max_nan(gm[r][g / 2], best);
+        } else {
+          gm[r][g] = best;
+        }
+      } else {
+        int32_t best = acc[acc_index(r, G * g)];
+#pragma unroll
+        for (int e = G * g + 1; e < G * (g + 1); ++e) best = max(best, acc[acc_index(r, e)]);
+        gm[r][g] = __fmul_rn(exact_float(best), k);
+      }
+    }
+#pragma unroll
+    for (int g = (NG < 16 ? NG : 16); g < 16; ++g) gm[r][g] = NEG_INF;
+  }
+  float mx0 = tree_reduce<MaxNan>(gm[0]), mx1 = tree_reduce<MaxNan>(gm[1]);
+  mx0 = max_nan(mx0, __shfl_xor_sync(0xffffffff, mx0, 1));
+  mx0 = max_nan(mx0, __shfl_xor_sync(0xffffffff, mx0, 2));
+  mx1 = max_nan(mx1, __shfl_xor_sync(0xffffffff, mx1, 1));
+  mx1 = max_nan(mx1, __shfl_xor_sync(0xffffffff, mx1, 2));
+
+  if (SKIP && vote) {  // skip when exp(local max - running max) < lambda on every row of the tile
+    const float e0 = (mx0 - m_0) * qs0, e1 = (mx1 - m_1) * qs1;
+    // The warpgroup's OR, then a warp vote of it: the same value, but one the compiler can see is uniform
+    // across the warp, so the tensor-core instructions under it are not serialized.
+    const bool keep = __any_sync(0xffffffff,
+                                 warpgroup_any(vote_barrier, (ok0 && !(e0 < log2_lam)) || (ok1 && !(e1 < log2_lam))));
+    if (!keep) return false;
+  }
+  const float mn0 = max_nan(m_0, mx0), mn1 = max_nan(m_1, mx1);
+  const float mu[2] = {mn0 == NEG_INF ? 0.f : mn0, mn1 == NEG_INF ? 0.f : mn1};
+  const float qs[2] = {qs0, qs1};
+  alpha0 = exp2_approx((m_0 - mu[0]) * qs0);
+  alpha1 = exp2_approx((m_1 - mu[1]) * qs1);
+  m_0 = mn0;
+  m_1 = mn1;
+
+  const bool fast = !MASKED && fabsf(mu[0] * qs0) < 4096.f && fabsf(mu[1] * qs1) < 4096.f &&
+                    ks_max * fmaxf(qs0, qs1) < 0.00390625f;
+  const bool all_fast = __all_sync(0xffffffff, fast);
+  const float base[2] = {fmaf(-mu[0], qs0, LOG2_P_SCALE), fmaf(-mu[1], qs1, LOG2_P_SCALE)};
+  // In the order the P.V product reads P: keys 32kk..32kk+31 are accumulator chunks 4kk..4kk+3, so each
+  // group of 16 values is packed as soon as it is made (the K scales are read again, not kept).
+  if (all_fast) {
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      float x[16];
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        const int idx = 16 * kk + i, r = (idx % 4) / 2, e = 2 * (idx / 4) + idx % 2;
+        const float c = ld_shared_f32(k_scale_addr + 4 * key_of(G * (e / G), t)) * qs[r];
+        const float b = fmaf(-12582912.0f, c, base[r]);  // S's float below is S + 1.5 * 2^23
+        const float y = fmaf(__int_as_float(acc[idx] + 0x4B400000), c, b);
+        x[i] = (idx / 4 < SAGE_SM90_SOFT_EXP) ? exp2_poly(y) : exp2_approx(y);
+      }
+      pack_p(pa[kk], x);
+    }
+  } else {
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      float x[16];
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        const int idx = 16 * kk + i, r = (idx % 4) / 2, e = 2 * (idx / 4) + idx % 2;
+        const float k = ld_shared_f32(k_scale_addr + 4 * key_of(G * (e / G), t));
+        const float sc = (MASKED && key_of(e, t) >= keys_left) ? NEG_INF : __fmul_rn(exact_float(acc[idx]), k);
+        x[i] = exp2_approx(fmaf(sc - mu[r], qs[r], LOG2_P_SCALE));
+      }
+      pack_p(pa[kk], x);
+    }
+  }
+  return true;
+}
+
+// ---- the kernel ---------------------------------------------------------------------------------------
+
+// The consumer warpgroups' part of the kernel (one branch of the role split, so that setmaxnreg can
+// give it 240 registers a thread).
+template <int D, int STAGES, int G, bool SKIP, bool PINGPONG, typename OutT>
+__device__ __forceinline__ void consume(Smem<D, STAGES>& sm, const Params& p, int seq, int head, int kv_head,
+                                        int q_start, int q_len, int m0, int kv_len, int n_tiles, int consumer) {
+  setmaxnreg_inc240();
+  const int tid = threadIdx.x % 128;
+  const int warp = tid / 32, lane = tid % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int wg_first_row = m0 + consumer * BLOCK_M;
+  const bool wg_has_rows = wg_first_row < q_len;
+  const int row0 = wg_first_row + warp * 16 + g, row1 = row0 + 8;
+  const bool ok0 = row0 < q_len, ok1 = row1 < q_len;
+
+  const float* q_scale = p.q_scale + head * p.n_q_blocks + (q_start >> p.q_shift) + seq;
+  const float qs0 = q_scale[min(row0, q_len - 1) >> p.q_shift] * p.qk_scale_log2;
+  const float qs1 = q_scale[min(row1, q_len - 1) >> p.q_shift] * p.qk_scale_log2;
+  const float log2_lam = log2f(p.skip_factor / static_cast<float>(kv_len));  // -inf when skip_factor == 0
+
+  // The ones and zeros below every stage's V^T tile (TMA writes only its D rows), visible to the tensor
+  // cores (async proxy) before any P.V product.
+  {
+    const int i = consumer * 128 + tid;  // 256 threads x 16 bytes = 4 stages x 1 KB
+    for (int s = i / 64; s < STAGES; s += 4) {
+      const int offset = (i % 64) * 16;
+      const uint32_t word = offset < BLOCK_N ? E4M3_ONES : 0u;
+      *reinterpret_cast<uint4*>(sm.v[s] + D * BLOCK_N + offset) = make_uint4(word, word, word, word);
+    }
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    named_sync(5, 256);
+  }
+
+  const uint64_t desc_q = smem_desc(smem_addr(sm.q + consumer * BLOCK_M * D), D);
+  // PINGPONG: the consumers take turns issuing their products (named barriers 1 and 2), so one's softmax
+  // runs while the other's matrix products do; the first consumer goes first.
+  const int my_turn = 1 + consumer, their_turn = 2 - consumer;
+  const int vote_barrier = 3 + consumer;
+  if (PINGPONG && consumer == 1) named_arrive(1, 256);
+
+  float o[D / 2], sums[4];  // sums[0] / sums[2]: rows g / g + 8 of the tile (at t == 0; 0 elsewhere)
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+  float m_0 = NEG_INF, m_1 = NEG_INF, l_0 = 0.f, l_1 = 0.f;
+  int skipped = 0;
+  int32_t acc[64];
+  uint32_t pa[4][4];
+
+  mbar_wait(&sm.full_q, 0);
+  mbar_wait(&sm.full_k[0], 0);
+  if (PINGPONG) named_sync(my_turn, 256);
+  wgmma_fence();
+  issue_qk<D>(acc, desc_q, smem_desc(smem_addr(sm.k[0]), D));
+  wgmma_commit();
+  if (PINGPONG) named_arrive(their_turn, 256);
+  wgmma_wait<0>();
+  fence_operand(acc);
+
+  // Per tile n: softmax of tile n (S in acc), then P.V of tile n and Q.K^T of tile n + 1 issued together,
+  // so the tensor cores run them back to back.
+  for (int n = 0; n < n_tiles; ++n) {
+    const int s = n % STAGES;
+    const uint32_t phase = (n / STAGES) & 1;
+    const bool more = n + 1 < n_tiles;
+    const int keys_left = kv_len - n * BLOCK_N;
+    const uint32_t k_scale_addr = smem_addr(sm.k_scale[s]);
+    float alpha0, alpha1;
+    const bool keep = keys_left < BLOCK_N
+        ? tile_softmax<G, true, SKIP>(acc, k_scale_addr, t, keys_left, n > 0, vote_barrier, ok0, ok1, log2_lam,
+                                      qs0, qs1, m_0, m_1, alpha0, alpha1, pa)
+        : tile_softmax<G, false, SKIP>(acc, k_scale_addr, t, keys_left, n > 0, vote_barrier, ok0, ok1, log2_lam,
+                                       qs0, qs1, m_0, m_1, alpha0, alpha1, pa);
+    if (keep) {
+      if (__any_sync(0xffffffff, alpha0 != 1.f || alpha1 != 1.f)) {  // no rescale while the maxima hold
+#pragma unroll
+        for (int i = 0; i < D / 2; ++i) o[i] *= (i % 4) < 2 ? alpha0 : alpha1;
+      }
+    } else {
+      ++skipped;
+    }
+
+    if (more) mbar_wait(&sm.full_k[(n + 1) % STAGES], ((n + 1) / STAGES) & 1);
+    mbar_wait(&sm.full_v[s], phase);  // a skipped tile's V must land too before its stage is reused
+    if (PINGPONG) named_sync(my_turn, 256);
+    if (keep) {
+      wgmma_fence();
+      issue_pv<D>(o, sums, pa, smem_desc(smem_addr(sm.v[s]), 128), smem_desc(smem_addr(sm.v[s] + D * BLOCK_N), 128));
+    }
+    if (more) {
+      wgmma_fence();
+      issue_qk<D>(acc, desc_q, smem_desc(smem_addr(sm.k[(n + 1) % STAGES]), D));
+    }
+    wgmma_commit();
+    if (PINGPONG) named_arrive(their_turn, 256);
+    wgmma_wait<0>();
+    fence_operand(o);
+    fence_operand(sums);
+    fence_operand(acc);
+    if (keep) {
+      l_0 = fmaf(l_0, alpha0, sums[0]);
+      l_1 = fmaf(l_1, alpha1, sums[2]);
+    }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&sm.empty[s]);
+  }
+  if (PINGPONG && consumer == 0) named_sync(my_turn, 256);  // the second consumer's last arrival
+
+  // ---- epilogue: O / l * v_scale, rows of this sequence only ----
+  l_0 = __shfl_sync(0xffffffff, l_0, lane & ~3);
+  l_1 = __shfl_sync(0xffffffff, l_1, lane & ~3);
+  const float inv0 = 1.f / (l_0 > 0.f ? l_0 : 1.f), inv1 = 1.f / (l_1 > 0.f ? l_1 : 1.f);
+  const float* v_scale = p.v_scale + kv_head * D;
+  OutT* out = static_cast<OutT*>(p.out) + head * p.out_stride_h;
+#pragma unroll
+  for (int j = 0; j < D / 8; ++j) {
+    const int col = 8 * j + 2 * t;
+    const float vs0 = __ldg(v_scale + col), vs1 = __ldg(v_scale + col + 1);
+    if (ok0) {
+      OutT* dst = out + (q_start + row0) * p.out_stride_t + col;
+      dst[0] = static_cast<OutT>(o[4 * j] * inv0 * vs0);
+      dst[1] = static_cast<OutT>(o[4 * j + 1] * inv0 * vs1);
+    }
+    if (ok1) {
+      OutT* dst = out + (q_start + row1) * p.out_stride_t + col;
+      dst[0] = static_cast<OutT>(o[4 * j + 2] * inv1 * vs0);
+      dst[1] = static_cast<OutT>(o[4 * j + 3] * inv1 * vs1);
+    }
+  }
+  if (SKIP && p.count_skipped && wg_has_rows && tid == 0) atomicAdd(p.stats, skipped);
+}
+
+template <int D, int STAGES, int G, bool SKIP, bool PINGPONG, typename OutT>
+__device__ __forceinline__ void attention(const TensorMap* map_q, const TensorMap* map_k, const TensorMap* map_v,
+                                          const Params& p) {
+  extern __shared__ uint8_t smem_raw[];
+  auto& sm = *reinterpret_cast<Smem<D, STAGES>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+
+  const int seq = blockIdx.y / p.heads;
+  const int head = blockIdx.y % p.heads;
+  const int kv_head = head / p.group;
+  const int q_start = p.cu_q[seq];
+  const int q_len = p.cu_q[seq + 1] - q_start;
+  const int m0 = blockIdx.x * (CONSUMERS * BLOCK_M);
+  if (m0 >= q_len) return;  // the whole CTA, before any barrier is used
+  const int kv_start = p.cu_kv[seq];
+  const int kv_len = p.cu_kv[seq + 1] - kv_start;
+  const int n_tiles = (kv_len + BLOCK_N - 1) / BLOCK_N;
+  if (n_tiles == 0) return;  // no keys: nothing defined to write (the host never launches such a batch)
+
+  const int warpgroup = threadIdx.x / 128;
+  if (threadIdx.x == 0) {
+    mbar_init(&sm.full_q, 1);
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(&sm.full_k[s], 1 + 32);
+      mbar_init(&sm.full_v[s], 1);
+      mbar_init(&sm.empty[s], CONSUMERS * 4);  // one arrival per consumer warp
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  if (warpgroup == 0) {  // ---- producer: warp 0 streams tiles by TMA, warp 1 stages the keys' scales ----
+    setmaxnreg_dec24();
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (warp == 0 && lane == 0) {
+      const int vt_start = 16 * (kv_start / 16 + 2 * seq);  // triton_quant.vt_start
+      mbar_expect_tx(&sm.full_q, CONSUMERS * BLOCK_M * D);
+      tma_load_2d(sm.q, map_q, &sm.full_q, head * D, q_start + m0);
+      for (int n = 0; n < n_tiles; ++n) {
+        const int s = n % STAGES;
+        if (n >= STAGES) mbar_wait(&sm.empty[s], ((n / STAGES) + 1) & 1);
+        mbar_expect_tx(&sm.full_k[s], BLOCK_N * D);
+        tma_load_2d(sm.k[s], map_k, &sm.full_k[s], kv_head * D, kv_start + n * BLOCK_N);
+        mbar_expect_tx(&sm.full_v[s], D * BLOCK_N);
+        tma_load_2d(sm.v[s], map_v, &sm.full_v[s], vt_start + n * BLOCK_N, kv_head * D);
+      }
+    } else if (warp == 1) {
+      const float* k_scale = p.k_scale + kv_head * p.n_k_blocks + (kv_start >> p.k_shift) + seq;
+      for (int n = 0; n < n_tiles; ++n) {
+        const int s = n % STAGES;
+        if (n >= STAGES) mbar_wait(&sm.empty[s], ((n / STAGES) + 1) & 1);
+#pragma unroll
+        for (int i = 0; i < BLOCK_N / 32; ++i) {
+          const int key = min(n * BLOCK_N + lane + 32 * i, kv_len - 1);  // keys past the end are masked anyway
+          sm.k_scale[s][lane + 32 * i] = __ldg(k_scale + (key >> p.k_shift));
+        }
+        mbar_arrive(&sm.full_k[s]);
+      }
+    }
+  } else {
+    consume<D, STAGES, G, SKIP, PINGPONG, OutT>(sm, p, seq, head, kv_head, q_start, q_len, m0, kv_len, n_tiles,
+                                                warpgroup - 1);
+  }
+
+}
+
+}  // namespace sage_sm90
+
+// One entry point per (head dim, output dtype, k_block_size, skip): names read by kernels/sage_sm90.py.
+#define SAGE_SM90_KERNEL(NAME, D, G, SKIP, OUT)                                                             \
+  extern "C" __global__ void __launch_bounds__(sage_sm90::THREADS, 1)                                      \
+      NAME(const __grid_constant__ sage_sm90::TensorMap map_q, const __grid_constant__ sage_sm90::TensorMap map_k, \
+           const __grid_constant__ sage_sm90::TensorMap map_v, const sage_sm90::Params params) {                \
+    sage_sm90::attention<D, SAGE_SM90_STAGES, G, SKIP, SAGE_SM90_PINGPONG, OUT>(&map_q, &map_k, &map_v, params); \
+  }                                                                                                         \
+  extern "C" __device__ const int NAME##_smem = sage_sm90::smem_bytes<D, SAGE_SM90_STAGES>();
+
+#define SAGE_SM90_KERNELS(D, DT, OUT)                                  \
+  SAGE_SM90_KERNEL(sage_sm90_d##D##_##DT##_k1, D, 1, false, OUT)       \
+  SAGE_SM90_KERNEL(sage_sm90_d##D##_##DT##_k1_skip, D, 1, true, OUT)   \
+  SAGE_SM90_KERNEL(sage_sm90_d##D##_##DT##_k4, D, 2, false, OUT)       \
+  SAGE_SM90_KERNEL(sage_sm90_d##D##_##DT##_k4_skip, D, 2, true, OUT)   \
+  SAGE_SM90_KERNEL(sage_sm90_d##D##_##DT##_k16, D, 4, false, OUT)      \
+  SAGE_SM90_KERNEL(sage_sm90_d##D##_##DT##_k16_skip, D, 4, true, OUT)
+
+SAGE_SM90_KERNELS(128, bf16, __nv_bfloat16)
+SAGE_SM90_KERNELS(128, fp16, __half)
+SAGE_SM90_KERNELS(64, bf16, __nv_bfloat16)
+SAGE_SM90_KERNELS(64, fp16, __half)

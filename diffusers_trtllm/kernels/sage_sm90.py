@@ -1,0 +1,121 @@
+"""``sage-sm90`` route: the project's CUDA C++ int8 SAGE + skip-softmax kernel for Hopper (H100, H200).
+
+``csrc/sage_sm90.cu`` is an FA3-style kernel (a TMA producer warp, two consumer warpgroups, wgmma int8
+Q·Kᵀ and fp8 P·V with two-level fp32 accumulation) written for sm_90a. It is compiled with ``nvcc`` at
+first use and cached (``cuda_jit``); without ``nvcc`` the route reports that as its reason.
+
+Semantics are the reference's with ``tile_q = 64`` and ``tile_kv = 128``: SAGE as docs/design.md
+defines it (int8 Q/K with per-block scales, ``smooth_k``, fp8 V per channel, P as ``448 * p`` in fp8),
+quantized by the ``triton`` route's fused quantizer with V's keys in this kernel's register order.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from ..config import QuantConfig
+from ..layout import PackedLayout
+from . import cuda_jit
+from .triton_attn import LOG2E, TritonAttentionOutput, check_heads, tile_output
+
+__all__ = ["sage_sm90_attention", "sage_sm90_missing", "BLOCK_M", "BLOCK_N"]
+
+#: The skip rule's tiles: 64 query rows (one consumer warpgroup) x 128 keys.
+BLOCK_M, BLOCK_N = 64, 128
+#: Query rows per CTA (two consumer warpgroups) and threads per CTA (with the producer warpgroup).
+_CTA_ROWS, _THREADS = 128, 384
+_SOURCE = "sage_sm90.cu"
+_OUT_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+class _Params(ctypes.Structure):
+    """``sage_sm90::Params`` of the CUDA source, field for field."""
+
+    _fields_ = [("out", ctypes.c_void_p), ("q_scale", ctypes.c_void_p), ("k_scale", ctypes.c_void_p),
+                ("v_scale", ctypes.c_void_p), ("cu_q", ctypes.c_void_p), ("cu_kv", ctypes.c_void_p),
+                ("stats", ctypes.c_void_p), ("qk_scale_log2", ctypes.c_float), ("skip_factor", ctypes.c_float),
+                ("n_q_blocks", ctypes.c_int), ("n_k_blocks", ctypes.c_int), ("out_stride_t", ctypes.c_longlong),
+                ("out_stride_h", ctypes.c_longlong), ("heads", ctypes.c_int), ("group", ctypes.c_int),
+                ("q_shift", ctypes.c_int), ("k_shift", ctypes.c_int), ("count_skipped", ctypes.c_int)]
+
+
+def kernel_name(head_dim: int, dtype: torch.dtype, k_block_size: int, skip: bool) -> str:
+    """The entry point of ``csrc/sage_sm90.cu`` for one head dim, output dtype, K block size and skip."""
+    return f"sage_sm90_d{head_dim}_{_OUT_NAMES[dtype]}_k{k_block_size}" + ("_skip" if skip else "")
+
+
+KERNEL_NAMES = tuple(kernel_name(d, t, kb, s) for d in (64, 128) for t in _OUT_NAMES for kb in (1, 4, 16)
+                     for s in (False, True))
+
+
+def sage_sm90_missing() -> str | None:
+    """Why the kernel cannot be built here (no nvcc, no triton for its quantizer), or None."""
+    from .triton_attn import _TRITON_MISSING
+
+    return _TRITON_MISSING or cuda_jit.compiler_missing()
+
+
+@functools.lru_cache(maxsize=None)
+def _cubin(defines: tuple[str, ...]):
+    return cuda_jit.compile_cubin(cuda_jit.source_path(_SOURCE), "90a", defines)
+
+
+def _kernels(device: torch.device, defines: tuple[str, ...] = ()) -> dict[str, cuda_jit.CudaKernel]:
+    return cuda_jit.load_kernels(_cubin(defines), KERNEL_NAMES, device)
+
+
+def _check_call(q: torch.Tensor, k: torch.Tensor, quant: QuantConfig | None) -> None:
+    check_heads(q, k, "sage-sm90")
+    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
+        raise ValueError("the sage-sm90 kernel runs on Hopper GPUs (sm_90: H100, H200) only.")
+    if q.dtype not in _OUT_NAMES:
+        raise ValueError(f"the sage-sm90 kernel takes bf16 or fp16 Q/K/V; got {q.dtype}.")
+    if quant is None or not quant.enabled or quant.dtype_qk != "int8":
+        raise ValueError("the sage-sm90 kernel is int8 SAGE: pass quant=QuantConfig('int8', ...); "
+                         "for other work use backend='auto'.")
+
+
+def sage_sm90_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: PackedLayout,
+    *,
+    softmax_scale: float,
+    quant: QuantConfig,
+    skip_factor: float | None = None,
+    collect_stats: bool = False,
+    defines: tuple[str, ...] = (),
+) -> TritonAttentionOutput:
+    """int8 SAGE attention (with skip-softmax when ``skip_factor`` is given) over packed ``[tokens, heads, dim]``.
+
+    ``defines`` builds the kernel with other compile-time knobs (``SAGE_SM90_STAGES=3``,
+    ``SAGE_SM90_PINGPONG=0``): for the benchmark's sweeps."""
+    _check_call(q, k, quant)
+    from .triton_quant import sage_quantize_triton
+
+    tokens_q, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    st = sage_quantize_triton(q, k, v, layout, quant, mma_key_order=True)
+    out = torch.empty(tokens_q, heads, dim, dtype=q.dtype, device=q.device)
+    count = collect_stats and skip_factor is not None
+    stats = torch.zeros(1, dtype=torch.int32, device=q.device) if count else out
+    maps = (
+        cuda_jit.TensorMap.tiles_2d(st.q.view(torch.uint8).view(tokens_q, heads * dim), dim, _CTA_ROWS),
+        cuda_jit.TensorMap.tiles_2d(st.k.view(torch.uint8).view(k.shape[0], kv_heads * dim), dim, BLOCK_N),
+        cuda_jit.TensorMap.tiles_2d(st.vt.view(torch.uint8), BLOCK_N, dim),
+    )
+    params = _Params(
+        out.data_ptr(), st.q_scale.data_ptr(), st.k_scale.data_ptr(), st.v_scale.data_ptr(),
+        layout.cu_seqlens_q.data_ptr(), layout.cu_seqlens_kv.data_ptr(), stats.data_ptr(),
+        softmax_scale * LOG2E, float(skip_factor or 0.0), st.q_scale.shape[1], st.k_scale.shape[1],
+        out.stride(0), out.stride(1), heads, heads // kv_heads,
+        quant.q_block_size.bit_length() - 1, quant.k_block_size.bit_length() - 1, int(count),
+    )
+    kernel = _kernels(q.device, tuple(defines))[kernel_name(dim, q.dtype, quant.k_block_size, skip_factor is not None)]
+    grid = (-(-layout.max_seqlen_q // _CTA_ROWS), layout.num_seqs * heads, 1)
+    kernel.launch(grid, _THREADS, [*maps, params], torch.cuda.current_stream(q.device))
+    return tile_output(out, stats, layout, heads, BLOCK_M, BLOCK_N, collect_stats, skip_factor)

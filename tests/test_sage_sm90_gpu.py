@@ -1,0 +1,86 @@
+"""The ``sage-sm90`` CUDA kernel on an H100/H200: int8 SAGE with and without skip-softmax against the
+reference (same quantization, same 64 x 128 tiles), over the ragged batches of the ``triton`` route's GPU
+tests; head dims 64 and 128, GQA, fp16, extreme magnitudes and NaN."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import rel_l1, requires_cuda
+from diffusers_trtllm.config import QuantConfig
+from test_triton_attn_gpu import (MAGNITUDES, NONFINITE, ROUTES, _inputs, _reference, check_extreme_magnitudes,
+                                  check_nonfinite_propagation)
+
+pytestmark = [pytest.mark.gpu, requires_cuda]
+
+BUILDS = {"default": (), "no_pingpong": ("SAGE_SM90_PINGPONG=0",), "two_stages": ("SAGE_SM90_STAGES=2",)}
+
+
+@pytest.fixture(autouse=True)
+def _hopper_with_nvcc():
+    from diffusers_trtllm.kernels.sage_sm90 import sage_sm90_missing
+
+    if sage_sm90_missing():
+        pytest.skip(sage_sm90_missing())
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the sage-sm90 kernel is written for sm_90")
+
+
+def _attention(*args, **kw):
+    from diffusers_trtllm.kernels.sage_sm90 import sage_sm90_attention
+
+    return sage_sm90_attention(*args, **kw)
+
+
+@pytest.mark.parametrize("build", list(BUILDS))
+@pytest.mark.parametrize("skip", [None, 0.02])
+@pytest.mark.parametrize("dim,kv_heads,blocks", [(128, 4, (1, 16)), (64, 8, (1, 16)), (128, 2, (4, 4)),
+                                                 (128, 8, (16, 1))])
+def test_int8_sage_matches_reference(dim, kv_heads, blocks, skip, build):
+    q, k, v, layout = _inputs(dim, kv_heads=kv_heads)
+    quant = QuantConfig("int8", *blocks)
+    factor = None if skip is None else skip * layout.max_seqlen_kv
+    res = _attention(q, k, v, layout, softmax_scale=dim**-0.5, skip_factor=factor, quant=quant,
+                     collect_stats=True, defines=BUILDS[build])
+    ref = _reference(q, k, v, layout, skip_factor=factor, quant=quant, tile_q=64, tile_kv=128)
+    assert res.total_tiles == ref.total_tiles
+    if skip is None:
+        assert res.skipped_tiles == 0
+    else:
+        assert ref.skipped_tiles > 0.1 * ref.total_tiles  # the inputs do exercise the rule
+        # Borderline tiles may flip (exp2 vs exp, fp32 rounding): allow a handful.
+        assert abs(res.skipped_tiles - ref.skipped_tiles) <= max(2, ref.total_tiles // 500), (
+            res.skipped_tiles, ref.skipped_tiles)
+    assert rel_l1(res.out, ref.out) < 1.5e-2
+    assert rel_l1(res.out, _reference(q, k, v, layout).out) < 0.06
+
+
+def test_fp16_and_smooth_k():
+    q, k, v, layout = (x.half() if torch.is_tensor(x) else x for x in _inputs(128, kv_heads=4))
+    quant = QuantConfig("int8", 1, 16, smooth_k=True)
+    res = _attention(q, k, v, layout, softmax_scale=128**-0.5, quant=quant)
+    assert res.out.dtype == torch.float16
+    assert rel_l1(res.out, _reference(q, k, v, layout, quant=quant, tile_q=64, tile_kv=128).out) < 1.5e-2
+
+
+def test_zero_skip_factor_skips_nothing():
+    q, k, v, layout = _inputs(128, kv_heads=4)
+    res = _attention(q, k, v, layout, softmax_scale=128**-0.5, skip_factor=0.0, quant=QuantConfig("int8"),
+                     collect_stats=True)
+    assert res.skipped_tiles == 0
+
+
+INT8_ROUTES = [(qk, skip) for qk, skip in ROUTES if qk == "int8"]
+
+
+@pytest.mark.parametrize("dtype_qk,skip", INT8_ROUTES)
+@pytest.mark.parametrize("dtype,magnitude", MAGNITUDES)
+def test_extreme_magnitudes_stay_finite(dtype, magnitude, dtype_qk, skip):
+    check_extreme_magnitudes(_attention, 64, dtype, magnitude, dtype_qk, skip)
+
+
+@pytest.mark.parametrize("dtype_qk,skip", INT8_ROUTES)
+@pytest.mark.parametrize("tensor,value", NONFINITE)
+def test_nonfinite_inputs_propagate(tensor, value, dtype_qk, skip):
+    check_nonfinite_propagation(_attention, 64, tensor, value, dtype_qk, skip)
