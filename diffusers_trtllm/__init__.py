@@ -7,7 +7,7 @@ from .config import ControlTypeError, QuantConfig, SkipSoftmaxConfig
 from .integration import install, uninstall
 from .layout import MaskNotSupportedError, PackedLayout
 from .processor import TrtllmAttnProcessor
-from .routes import NoRouteError, route_names
+from .routing import NoRouteError, route_names
 from .timestep import DenoiseStepCallback, attach_denoise_tracking, detach_denoise_tracking
 
 __version__ = "0.1.0"

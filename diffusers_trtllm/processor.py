@@ -31,7 +31,7 @@ from .integration import installation as _installation, intercept as _intercept
 from .integration.roles import ROLES
 from .layer import Calibration, LayerState
 from .layout import LayoutCache
-from .policy import POLICIES
+from .routing.policy import POLICIES
 from .stats import StepRecord
 
 __all__ = ["TrtllmAttnProcessor", "LayerState", "StepRecord", "Calibration", "Settings", "ROLES"]
@@ -53,7 +53,7 @@ class Settings:
     backend: str
     fallback: str | None
     mode: str = "trtllm"  # or "dense" / "stock"
-    #: ``policy.apply_policy``'s mode: "auto" drops what cannot pay off on a call, "always" honours it.
+    #: ``routing.policy.apply_policy``'s mode: "auto" drops what cannot pay off on a call, "always" honours it.
     policy: str = "auto"
     #: Features ("skip", "sage") the role's override set explicitly: honoured on every call.
     honour: frozenset[str] = frozenset()
@@ -100,7 +100,7 @@ class TrtllmAttnProcessor:
     "refiner": "dense"}``; ``"stock"`` leaves a role on the family's own attention.
     ``collect_stats`` asks routes for skipped-tile counts (a debug cost on GPU kernels).
     ``policy="auto"`` runs a call dense where its skip/SAGE request cannot pay off (measured
-    rules, :mod:`diffusers_trtllm.policy`); what a role override sets explicitly (a skip control,
+    rules, :mod:`diffusers_trtllm.routing.policy`); what a role override sets explicitly (a skip control,
     ``quant``), or everything under ``policy="always"``, is honoured on every call.
     """
 

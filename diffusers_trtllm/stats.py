@@ -50,7 +50,7 @@ class StepRecord:
     total_tiles: int | None = None
     #: Route name -> calls it ran.
     routes: dict[str, int] = field(default_factory=dict)
-    #: What the policy dropped from the request on these calls, and why (``policy.apply_policy``).
+    #: What the policy dropped from the request on these calls, and why (``routing.policy.apply_policy``).
     notes: set[str] = field(default_factory=set)
 
     @property

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from fake_fmha_v2 import fake_trtllm_fmha_v2_prefill
-from diffusers_trtllm.kernels import _dense_order, _flashinfer, fa3, fmha_v2
+from diffusers_trtllm.kernels import _flashinfer, fa3, fmha_v2
 from diffusers_trtllm.layout import PackedLayout
-from diffusers_trtllm.routes import AttentionCall, get_route, route_names, select_route
+from diffusers_trtllm.routing import AttentionCall, get_route, order, ranked_routes, route_names, select_route
 
 
 def _call(dim: int = 128, tokens: int = 256, skip: float | None = None, dtype=torch.bfloat16) -> AttentionCall:
@@ -104,28 +104,23 @@ def test_fmha_v2_module_uri_matches_flashinfer_naming():
 
 
 def test_dense_order_on_sm90_follows_the_measured_table(monkeypatch):
-    monkeypatch.setattr(_dense_order, "device_sm", lambda device: 90)
-    monkeypatch.setattr(fmha_v2, "device_sm", lambda device: 90)
-    for (dim, bucket), order in _dense_order.SM90_DENSE_ORDER.items():
-        tokens = {"text": 512, "short": 4096, "long": _dense_order.LONG_KV + 64}[bucket]
-        call = _call(dim=dim, tokens=tokens)
-        ranked = sorted(order, key=lambda name: get_route(name).priority(call))
-        assert tuple(ranked) == order
-        assert all(get_route(name).priority(call) < get_route("reference").priority(call) for name in order)
+    monkeypatch.setattr(order, "device_sm", lambda device: 90)
+    for (dim, bucket), measured in order.SM90_DENSE_ORDER.items():
+        tokens = {"text": 512, "short": 4096, "long": order.LONG_KV + 64}[bucket]
+        ranked = ranked_routes(_call(dim=dim, tokens=tokens))
+        assert tuple(ranked[:len(measured)]) == measured and "reference" not in ranked
     # Skip-softmax without SAGE on SM90 goes to gluon, then fmha-v2, ahead of every other route.
-    skip = _call(skip=10.0)
-    others = min(get_route(n).priority(skip) for n in route_names() if n not in ("gluon", "fmha-v2"))
-    assert get_route("gluon").priority(skip) < get_route("fmha-v2").priority(skip) < others
+    assert ranked_routes(_call(skip=10.0))[:2] == ["gluon", "fmha-v2"]
 
 
 def test_dense_order_off_hopper_keeps_registration_order_with_triton_after_sdpa():
     call = _call()  # CPU: no SM
-    names = [n for n in route_names() if n != "triton"]
-    assert [get_route(n).priority(call) for n in names] == sorted(get_route(n).priority(call) for n in names)
+    ranked = ranked_routes(call)
+    assert [n for n in ranked if n != "triton"] == [n for n in route_names() if n not in ("triton", "reference")]
     # The Triton kernel's dense path is the fallback: cuDNN / FlashAttention-2 through sdpa come first.
-    assert get_route("sdpa").priority(call) < get_route("triton").priority(call) < get_route("reference").priority(call)
-    skip = _call(skip=10.0)
-    assert get_route("triton").priority(skip) < get_route("sdpa").priority(skip)
+    assert ranked.index("sdpa") < ranked.index("triton") and "reference" not in ranked
+    skip = ranked_routes(_call(skip=10.0))
+    assert skip.index("triton") < skip.index("sdpa")
     assert select_route(call).name == "sdpa"
 
 
@@ -246,19 +241,18 @@ def test_ring_skip_calls_choose_the_fmha_v2_routes_on_sm90(fake_flashinfer, quan
     one GPU runs the gluon kernel, which returns no log-sum-exp, so the ring shard takes fmha-v2."""
     from diffusers_trtllm.config import QuantConfig
     from diffusers_trtllm.kernels import fmha_v2_fp8, gluon_attn
-    from diffusers_trtllm.routes import _capability_reasons
+    from diffusers_trtllm.routing.registry import capability_reasons
 
     fake_flashinfer.setattr(_flashinfer, "jit_built", lambda uri: True)
-    for module in (fmha_v2, fmha_v2_fp8, _dense_order, gluon_attn):
+    for module in (fmha_v2, order, gluon_attn):
         fake_flashinfer.setattr(module, "device_sm", lambda device: 90)
 
     def auto_choice(call):
         def reasons(route):
             on_cpu = replace(route.caps, device_types=frozenset({"cpu"}))
-            return _capability_reasons(on_cpu, call) or route.extra_reasons(call)
+            return capability_reasons(on_cpu, call) or route.extra_reasons(call)
 
-        ranked = sorted((get_route(n) for n in route_names()), key=lambda route: route.priority(call))
-        return next(route.name for route in ranked if route.auto and not reasons(route))
+        return next(name for name in ranked_routes(call) if not reasons(get_route(name)))
 
     one = _call(skip=10.0)
     if quant is not None:

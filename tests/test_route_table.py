@@ -23,9 +23,8 @@ import torch
 from diffusers_trtllm.config import QuantConfig
 from diffusers_trtllm.kernels import _flashinfer, fa3, gluon_attn, triton_attn
 from diffusers_trtllm.layout import PackedLayout
-from diffusers_trtllm import routes as routing
-from diffusers_trtllm.policy import apply_policy
-from diffusers_trtllm.routes import AttentionCall, NoRouteError, select_route
+from diffusers_trtllm.routing import AttentionCall, NoRouteError, registry, select_route
+from diffusers_trtllm.routing.policy import apply_policy
 
 TABLE = Path(__file__).parent / "data" / "route_table.tsv"
 
@@ -78,7 +77,7 @@ def make_call(device: str, dtype: str, head_dim: int, layout: str, skip: str, qu
 def fake_environment(mp: pytest.MonkeyPatch, device: str, flashinfer: str) -> None:
     """The faked GPU: its SM number, FlashInfer present with built kernels (or missing), Triton and Gluon present."""
     if device != "cpu":
-        mp.setattr(routing, "_sm_of", lambda index, sm=int(device[2:]): sm)
+        mp.setattr(registry, "_sm_of", lambda index, sm=int(device[2:]): sm)
     prefill = types.SimpleNamespace(trtllm_ragged_attention_deepseek=lambda *, sage_attn_sfs=None: None)
     module = types.SimpleNamespace(prefill=prefill, trtllm_sage_attention_quantize=lambda: None)
     mp.setattr(_flashinfer, "_import", (lambda: (module, None)) if flashinfer == "yes"

@@ -16,7 +16,7 @@ from diffusers_trtllm import QuantConfig, SkipSoftmaxConfig, run_attention
 from diffusers_trtllm.kernels import _flashinfer, trtllm_gen
 from diffusers_trtllm.kernels.reference import SageTensors, block_ids, reference_attention, sage_quantize
 from diffusers_trtllm.layout import PackedLayout
-from diffusers_trtllm.routes import AttentionCall
+from diffusers_trtllm.routing.registry import AttentionCall
 
 
 class FakeFlashInfer:

@@ -22,9 +22,8 @@ import math
 import torch
 
 from ..layout import PackedLayout
-from ..routes import AttentionCall, AttentionResult, Capabilities, Route, register_route
+from ..routing.registry import AttentionCall, AttentionResult, Capabilities, Route, register_route
 from . import _flashinfer
-from ._dense_order import MeasuredDenseOrder
 
 __all__ = ["Fa3Route"]
 
@@ -77,7 +76,7 @@ def _ragged_wrapper(call: AttentionCall) -> Any:
     return wrapper
 
 
-class Fa3Route(MeasuredDenseOrder, Route):
+class Fa3Route(Route):
     name = "fa3"
     caps = Capabilities(sms=frozenset({90}), head_dims=frozenset({64, 128, 256}), lse=True)
 
@@ -87,6 +86,8 @@ class Fa3Route(MeasuredDenseOrder, Route):
             return [missing]
         if call.v.shape[-1] != call.q.shape[-1]:
             return [f"value head dim {call.v.shape[-1]} differs from query head dim {call.q.shape[-1]}"]
+        if call.q.dtype not in self.caps.dtypes:
+            return []  # no module to build for this dtype (the capability table says so)
         jit = _flashinfer.jit_missing_reason(module_uri(call))
         return [jit] if jit else []
 

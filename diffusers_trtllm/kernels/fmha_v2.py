@@ -54,9 +54,8 @@ import math
 
 import torch
 
-from ..routes import AttentionCall, AttentionResult, Capabilities, Route, device_sm, register_route
+from ..routing.registry import AttentionCall, AttentionResult, Capabilities, Route, device_sm, register_route
 from . import _flashinfer
-from ._dense_order import PREFERRED, MeasuredDenseOrder
 
 __all__ = ["FmhaV2Route", "SKIP_SMS", "kv_step", "Q_STEP", "prefill", "fmha_v2_reasons", "softmax_stats_to_lse"]
 
@@ -84,8 +83,9 @@ def module_uri(dtype: torch.dtype, layout: str = "SEPARATE_Q_K_V") -> str:
     return f"trtllm_fmha_v2_{layout.lower()}_{name}_{name}"
 
 
-def fmha_v2_reasons(call: AttentionCall, uri: str) -> list[str]:
-    """Why FlashInfer's fmha-v2 (JIT module ``uri``) cannot serve ``call``, beyond the capability table."""
+def fmha_v2_reasons(call: AttentionCall, uri: str | None) -> list[str]:
+    """Why FlashInfer's fmha-v2 (JIT module ``uri``; None: no module for this dtype, which the capability
+    table reports) cannot serve ``call``, beyond the capability table."""
     missing = _flashinfer.flashinfer_missing_reason()
     if missing:
         return [missing]
@@ -103,13 +103,13 @@ def fmha_v2_reasons(call: AttentionCall, uri: str) -> list[str]:
         reasons.append(f"FlashInfer builds fmha-v2 skip-softmax kernels for SM90 only, this GPU is sm_{sm}")
     if call.return_lse and sm != 90:
         reasons.append(f"fmha-v2's log-sum-exp is read from the SM90 kernels' softmax stats, this GPU is sm_{sm}")
-    jit = _flashinfer.jit_missing_reason(uri)
+    jit = _flashinfer.jit_missing_reason(uri) if uri is not None else None
     if jit:
         reasons.append(jit)
     return reasons
 
 
-class FmhaV2Route(MeasuredDenseOrder, Route):
+class FmhaV2Route(Route):
     name = "fmha-v2"
     caps = Capabilities(
         sms=frozenset({90, 120}),
@@ -120,12 +120,8 @@ class FmhaV2Route(MeasuredDenseOrder, Route):
     )
 
     def extra_reasons(self, call: AttentionCall) -> list[str]:
-        return fmha_v2_reasons(call, module_uri(call.q.dtype, input_layout(call)))
-
-    def priority(self, call: AttentionCall) -> float:
-        if call.skip_factor is not None and device_sm(call.q.device) in SKIP_SMS:
-            return PREFERRED  # the fastest skip-softmax kernel on Hopper
-        return super().priority(call)
+        uri = module_uri(call.q.dtype, input_layout(call)) if call.q.dtype in _DTYPE_NAMES else None
+        return fmha_v2_reasons(call, uri)
 
     def run(self, call: AttentionCall) -> AttentionResult:
         layout = input_layout(call)

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..routes import AttentionCall, AttentionResult, Capabilities, Route, device_sm, register_route
+from ..routing.registry import AttentionCall, AttentionResult, Capabilities, Route, device_sm, register_route
 from . import _flashinfer
 
 #: SM numbers of the trtllm-gen cubins shipped by FlashInfer.
