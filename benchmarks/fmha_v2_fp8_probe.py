@@ -20,7 +20,7 @@ import torch
 
 from diffusers_trtllm.bench.inputs import holed_batch
 from diffusers_trtllm.bench.report import environment
-from diffusers_trtllm.bench.timing import rel_l1
+from diffusers_trtllm.measure import rel_l1
 from diffusers_trtllm.config import QuantConfig
 from diffusers_trtllm.kernels.fmha_v2_fp8 import FmhaV2Fp8Route
 from diffusers_trtllm.kernels.reference import reference_attention

@@ -4,7 +4,7 @@ One dense pipeline run per prompt is enough for every threshold at once: a tile 
 skipped when ``exp(local_max - running_max) < lambda`` for all its rows, and a skipped
 tile never raises the running max (its maximum lies below it, ``lambda <= 1``), so the
 dense running max is the one a sparse run would see and each tile's *critical* value
-(``bench.timing.tile_criticals``) says at which ``lambda`` it starts being skipped.
+(``measure.tile_criticals``) says at which ``lambda`` it starts being skipped.
 Multiplied by the sequence's KV length it becomes a critical *factor*
 (``lambda = factor / kv_len``), the quantity ModelOpt's curve speaks of.
 
@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from ._logging import logger
-from .bench.timing import tile_criticals
+from .measure import tile_criticals
 from .calibration import sparse_attention_config
 from .layout import MaskNotSupportedError
 from .processor import TrtllmAttnProcessor

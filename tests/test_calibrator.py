@@ -13,7 +13,7 @@ import tiny_models
 from diffusers_trtllm import TrtllmAttnProcessor, calibrate, load_calibration, save_calibration
 from diffusers_trtllm.calibration import parse_sparse_attention_config
 from diffusers_trtllm.calibrator import LayerStepSparsity, fit_groups
-from diffusers_trtllm.bench.models import make_attention_local
+from diffusers_trtllm.locality import make_attention_local
 from diffusers_trtllm.demo import build_demo_pipeline, install
 
 STEPS = 6

@@ -16,7 +16,7 @@ import torch
 from conftest import rel_l1
 from fake_fmha_v2 import fake_trtllm_fmha_v2_prefill
 from diffusers_trtllm.config import QuantConfig
-from diffusers_trtllm.kernels import _flashinfer, fa3, fmha_v2_fp8
+from diffusers_trtllm.kernels import fa3, flashinfer_support, fmha_v2_fp8
 from diffusers_trtllm.kernels.fp8_tensor_quant import quantize_fp8_per_tensor, restore_output
 from diffusers_trtllm.kernels.reference import reference_attention
 from diffusers_trtllm.layout import PackedLayout
@@ -43,8 +43,8 @@ def _fake_prefill(calls: list):
 def fake_fi(monkeypatch):
     calls: list = []
     fi = types.SimpleNamespace(prefill=types.SimpleNamespace(trtllm_fmha_v2_prefill=_fake_prefill(calls)))
-    monkeypatch.setattr(_flashinfer, "_import", lambda: (fi, None))
-    monkeypatch.setattr(_flashinfer, "jit_built", lambda uri: True)
+    monkeypatch.setattr(flashinfer_support, "_import", lambda: (fi, None))
+    monkeypatch.setattr(flashinfer_support, "jit_built", lambda uri: True)
     monkeypatch.setattr(fa3, "module_uri", lambda call: "fa3_module")  # the fake has no JIT module names
     return calls
 

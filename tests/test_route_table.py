@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from diffusers_trtllm.config import QuantConfig
-from diffusers_trtllm.kernels import _flashinfer, fa3, gluon_attn, triton_attn
+from diffusers_trtllm.kernels import fa3, flashinfer_support, gluon_attn, triton_attn
 from diffusers_trtllm.layout import PackedLayout
 from diffusers_trtllm.routing import AttentionCall, NoRouteError, registry, select_route
 from diffusers_trtllm.routing.policy import apply_policy
@@ -80,9 +80,9 @@ def fake_environment(mp: pytest.MonkeyPatch, device: str, flashinfer: str) -> No
         mp.setattr(registry, "_sm_of", lambda index, sm=int(device[2:]): sm)
     prefill = types.SimpleNamespace(trtllm_ragged_attention_deepseek=lambda *, sage_attn_sfs=None: None)
     module = types.SimpleNamespace(prefill=prefill, trtllm_sage_attention_quantize=lambda: None)
-    mp.setattr(_flashinfer, "_import", (lambda: (module, None)) if flashinfer == "yes"
+    mp.setattr(flashinfer_support, "_import", (lambda: (module, None)) if flashinfer == "yes"
                else (lambda: (None, "ModuleNotFoundError: No module named 'flashinfer'")))
-    mp.setattr(_flashinfer, "jit_built", lambda uri: True)
+    mp.setattr(flashinfer_support, "jit_built", lambda uri: True)
     mp.setattr(fa3, "module_uri", lambda call: "fa3")
     mp.setattr(triton_attn, "_TRITON_MISSING", None)
     mp.setattr(gluon_attn, "_GLUON_MISSING", None)

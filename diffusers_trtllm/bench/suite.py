@@ -23,11 +23,12 @@ import torch
 from ..config import QuantConfig
 from ..kernels.reference import reference_attention
 from ..layout import PackedLayout
+from ..measure import cosine, rel_l1, skipped_fraction, threshold_for, tile_criticals
 from ..routing import AttentionCall, Route, registered_routes, select_route
 from ..routing.registry import ROUTE_MODULES
 from .external import BASELINE_CPU, BASELINE_CUDA, external_impls
 from .inputs import Shape, structured_qkv
-from .timing import Timing, cosine, rel_l1, skipped_fraction, threshold_for, tile_criticals, time_fn
+from .timing import Timing, time_fn
 
 __all__ = ["Settings", "Row", "run_suite", "available_routes", "reference_tile", "heads_subset", "warm_up", "SAGE_DTYPES"]
 
