@@ -23,9 +23,9 @@ from typing import Any
 import torch
 
 from . import SkipSoftmaxConfig, TrtllmAttnProcessor, calibrate, load_calibration, save_calibration
-from .measure import cosine, rel_l1
-from .calibrator import GROUP_BY
+from .calibration.fit import GROUP_BY
 from .demo import DEMO_SIZE, build_demo_pipeline, comparison_image, generate, image_rel_l1, install, latent_difference
+from .measure import cosine, rel_l1
 from .routing.policy import POLICIES
 from .stats import format_summary
 

@@ -12,8 +12,8 @@ import torch
 from ._logging import warn_once
 from .config import ControlTypeError, QuantConfig, SkipSoftmaxConfig
 from .layout import LayoutCache, PackedLayout, key_padding_mask
-from .routing.policy import apply_policy
 from .routing import AttentionCall, AttentionResult, NoRouteError, get_route, select_route
+from .routing.policy import apply_policy
 
 __all__ = ["attention", "run_attention", "check_tensors", "resolve_skip_factor", "resolve_quant", "build_layout", "check_route_choice"]
 

@@ -20,9 +20,9 @@ from diffusers.callbacks import PipelineCallback
 
 from .locality import make_attention_local
 from .measure import rel_l1
-from .processor import TrtllmAttnProcessor
-from .integration import install as serve
-from .timestep import attach_denoise_tracking
+from .serving import install as serve
+from .serving.processor import TrtllmAttnProcessor
+from .serving.timestep import attach_denoise_tracking
 
 __all__ = ["build_demo_pipeline", "install", "generate", "comparison_image", "DEMO_SIZE", "DEMO_CONTRAST"]
 

@@ -16,7 +16,7 @@ from typing import Iterator
 
 import torch
 
-from .integration.roles import guess_role
+from .serving.roles import guess_role
 
 __all__ = ["make_attention_local", "local_attention", "SHARED_BIAS_RMS"]
 

@@ -223,7 +223,7 @@ def setting_sources(state: Any) -> dict[str, str]:
     """Where each of a layer's settings came from: ``user``, ``user (roles)``, ``checkpoint ...`` or ``default``."""
     proc = state.processor
     role_override = proc.roles.get(state.role) if isinstance(proc.roles, dict) else None
-    explicit = proc._explicit[state.role]
+    explicit = proc.explicit_settings(state.role)
 
     def by_user(key: str) -> str:
         if isinstance(role_override, str):

@@ -118,7 +118,7 @@ def test_calibration_for_fits_the_reference_curve_at_the_target():
     from diffusers_trtllm.bench.e2e import calibration_for
     from diffusers_trtllm.bench.inputs import Shape, structured_qkv
     from diffusers_trtllm.measure import tile_criticals
-    from diffusers_trtllm.calibration import parse_sparse_attention_config
+    from diffusers_trtllm.calibration.checkpoint import parse_sparse_attention_config
 
     shape = Shape("s", 1, 2048, 2, 64, grid=(32, 64))
     q, k, _ = (x[0].float() for x in structured_qkv(shape, locality=1.0))
@@ -134,7 +134,7 @@ def test_calibration_for_fits_the_reference_curve_at_the_target():
 def test_calibrated_row_loads_its_curve_or_says_why_not(tmp_path, one_thread, monkeypatch):
     """Tiny models have too few tiles to calibrate (the row says so); with a curve the row runs skip by target."""
     from diffusers_trtllm.bench import e2e
-    from diffusers_trtllm.calibration import sparse_attention_config
+    from diffusers_trtllm.calibration.checkpoint import sparse_attention_config
 
     opts = E2EOptions(models=("wan2.1-t2v-14b",), configs=("skip-calibrated",), weights=("structured",), device="cpu",
                       backend="reference", warmup=0, iters=1, variant="tiny")

@@ -31,9 +31,9 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from ..integration.roles import guess_role
 from ..locality import local_attention
 from ..measure import rel_l1, skipped_fraction, threshold_for, tile_criticals
+from ..serving.roles import guess_role
 from .cli import add_common_args, floats, names
 from .inputs import spy_sdpa
 from .models import MODELS, ModelSpec, build_model, model_inputs
@@ -258,7 +258,7 @@ def calibration_for(crit: torch.Tensor, kv_len: int, target: float) -> tuple[dic
     A stand-in for ``calibrate()``, which needs a pipeline: the same curve ``factor = a * exp(b * s)``,
     fitted to one forward instead of a run over prompts and steps.
     """
-    from ..calibration import sparse_attention_config
+    from ..calibration.checkpoint import sparse_attention_config
 
     low, high = target - 0.1, target + 0.1
     lam_low, lam_high = threshold_for(crit, low), threshold_for(crit, high)
