@@ -75,7 +75,7 @@ class LayerState:
         self.processor = processor
         self.name = name
         self.role = "self"
-        #: True once a call settled the role (see ``integration.roles``).
+        #: True once a call settled the role (see ``serving.roles``).
         self.role_observed = False
         self.stock: Any = None
         self.mode: str | None = None
