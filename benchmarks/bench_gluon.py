@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_triton import median_ms  # noqa: E402
 
 from diffusers_trtllm.bench.inputs import parse_shapes, structured_qkv  # noqa: E402
-from diffusers_trtllm.bench.timing import rel_l1  # noqa: E402
+from diffusers_trtllm.measure import rel_l1  # noqa: E402
 from diffusers_trtllm.config import QuantConfig  # noqa: E402
 from diffusers_trtllm.kernels.gluon_attn import GluonConfig, gluon_attention  # noqa: E402
 from diffusers_trtllm.kernels.triton_attn import triton_attention  # noqa: E402

@@ -26,10 +26,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from diffusers_trtllm.bench.inputs import Shape, structured_qkv  # noqa: E402
 from diffusers_trtllm.bench.report import environment  # noqa: E402
-from diffusers_trtllm.bench.timing import cosine, rel_l1, time_fn  # noqa: E402
+from diffusers_trtllm.bench.timing import time_fn  # noqa: E402
+from diffusers_trtllm.measure import cosine, rel_l1
 from diffusers_trtllm.config import QuantConfig  # noqa: E402
 from diffusers_trtllm.layout import PackedLayout  # noqa: E402
-from diffusers_trtllm.routes import AttentionCall, get_route  # noqa: E402
+from diffusers_trtllm.routing.registry import AttentionCall, get_route  # noqa: E402
 
 #: (label, route, skip-softmax on, SAGE dtype or None)
 CASES = (

@@ -30,7 +30,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from diffusers_trtllm.bench.inputs import parse_shapes, structured_qkv  # noqa: E402
-from diffusers_trtllm.bench.timing import cosine, rel_l1, skipped_fraction, threshold_for, tile_criticals  # noqa: E402
+from diffusers_trtllm.measure import tile_criticals  # noqa: E402
+from diffusers_trtllm.measure import cosine, rel_l1, skipped_fraction, threshold_for
 from diffusers_trtllm.config import QuantConfig  # noqa: E402
 from diffusers_trtllm.kernels.triton_attn import KernelConfig, triton_attention  # noqa: E402
 from diffusers_trtllm.kernels.triton_quant import sage_quantize_triton  # noqa: E402

@@ -20,11 +20,11 @@ import torch
 
 from diffusers_trtllm.bench.inputs import holed_batch
 from diffusers_trtllm.bench.report import environment
-from diffusers_trtllm.bench.timing import rel_l1
+from diffusers_trtllm.measure import rel_l1
 from diffusers_trtllm.config import QuantConfig
 from diffusers_trtllm.kernels.fmha_v2_fp8 import FmhaV2Fp8Route
 from diffusers_trtllm.kernels.reference import reference_attention
-from diffusers_trtllm.routes import AttentionCall
+from diffusers_trtllm.routing.registry import AttentionCall
 
 HEADS = 4
 FP8 = QuantConfig(dtype_qk="fp8_e4m3")

@@ -1,16 +1,14 @@
 """TRT-LLM attention kernels (skip-softmax sparsity, SAGE quantization) for Hugging Face Diffusers."""
 
 from .attention import attention, run_attention
-from .calibration import load_calibration, save_calibration
-from .calibrator import SparsityCalibration, calibrate
+from .calibration import SparsityCalibration, calibrate, load_calibration, save_calibration
 from .config import ControlTypeError, QuantConfig, SkipSoftmaxConfig
-from .integration import install, uninstall
 from .layout import MaskNotSupportedError, PackedLayout
-from .processor import TrtllmAttnProcessor
-from .routes import NoRouteError, route_names
-from .timestep import DenoiseStepCallback, attach_denoise_tracking, detach_denoise_tracking
-
-__version__ = "0.1.0"
+from .routing import NoRouteError, route_names
+from .serving import install, uninstall
+from .serving.processor import TrtllmAttnProcessor
+from .serving.timestep import DenoiseStepCallback, attach_denoise_tracking, detach_denoise_tracking
+from .version import __version__
 
 __all__ = [
     "attention",

@@ -23,10 +23,10 @@ from typing import Any
 import torch
 
 from . import SkipSoftmaxConfig, TrtllmAttnProcessor, calibrate, load_calibration, save_calibration
-from .bench.timing import cosine, rel_l1
-from .calibrator import GROUP_BY
+from .calibration.fit import GROUP_BY
 from .demo import DEMO_SIZE, build_demo_pipeline, comparison_image, generate, image_rel_l1, install, latent_difference
-from .policy import POLICIES
+from .measure import cosine, rel_l1
+from .routing.policy import POLICIES
 from .stats import format_summary
 
 #: Defaults the README quotes; ``--help`` shows them.
@@ -197,7 +197,7 @@ def _positive(value: int) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from .routes import route_names
+    from .routing import route_names
 
     p = argparse.ArgumentParser(prog="python -m diffusers_trtllm", description=__doc__, formatter_class=_HelpFormatter)
     p.add_argument("--model", help="Hugging Face model id or path (GPU); omit for the offline CPU demo")

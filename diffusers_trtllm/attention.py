@@ -12,8 +12,8 @@ import torch
 from ._logging import warn_once
 from .config import ControlTypeError, QuantConfig, SkipSoftmaxConfig
 from .layout import LayoutCache, PackedLayout, key_padding_mask
-from .policy import apply_policy
-from .routes import AttentionCall, AttentionResult, NoRouteError, get_route, select_route
+from .routing import AttentionCall, AttentionResult, NoRouteError, get_route, select_route
+from .routing.policy import apply_policy
 
 __all__ = ["attention", "run_attention", "check_tensors", "resolve_skip_factor", "resolve_quant", "build_layout", "check_route_choice"]
 
@@ -173,7 +173,7 @@ def run_attention(
     """Attention over ``[batch, tokens, heads, dim]`` tensors; returns the output and the route's result.
 
     ``policy="auto"`` runs dense where skip-softmax or SAGE cannot pay off on this call
-    (``policy.apply_policy``: measured rules, CUDA only); ``"always"`` honours the request, and
+    (``routing.policy.apply_policy``: measured rules, CUDA only); ``"always"`` honours the request, and
     ``honour`` keeps the named features (``"skip"``, ``"sage"``) whatever the rules say.
     ``skip`` and ``quant`` take every form ``SkipSoftmaxConfig.coerce`` / ``QuantConfig.coerce``
     accept (a threshold or a dict; a dtype name or a dict).

@@ -2,7 +2,7 @@
 
 Random weights give flat attention: every key matters about as much as every other,
 so skip-softmax finds nothing to skip. The tiny pipeline here gives Q and K one large
-shared component (``bench.models.make_attention_local``: the same bias on both
+shared component (``locality.make_attention_local``: the same bias on both
 projections, before the QK norm); RoPE then rotates it by position, so a score depends
 on the distance between two tokens and far-away KV tiles fall below the threshold, as
 in a trained model's image attention.
@@ -18,11 +18,11 @@ from typing import Any
 import torch
 from diffusers.callbacks import PipelineCallback
 
-from .bench.models import make_attention_local
-from .bench.timing import rel_l1
-from .processor import TrtllmAttnProcessor
-from .integration import install as serve
-from .timestep import attach_denoise_tracking
+from .locality import make_attention_local
+from .measure import rel_l1
+from .serving import install as serve
+from .serving.processor import TrtllmAttnProcessor
+from .serving.timestep import attach_denoise_tracking
 
 __all__ = ["build_demo_pipeline", "install", "generate", "comparison_image", "DEMO_SIZE", "DEMO_CONTRAST"]
 
@@ -36,7 +36,7 @@ DEMO_CONTRAST = 90.0
 def build_demo_pipeline(seed: int = 0, contrast: float = DEMO_CONTRAST, size: int = DEMO_SIZE):
     """A Flux pipeline small enough for a 2-core CPU, with local attention so tiles get skipped.
 
-    ``contrast``: see ``bench.models.make_attention_local`` (heads spread in reach, so the
+    ``contrast``: see ``locality.make_attention_local`` (heads spread in reach, so the
     skipped fraction grows smoothly with the threshold). Returns ``(pipe, inputs)``, ``inputs``
     holding random ``prompt_embeds`` (the pipeline has no text encoder).
     """

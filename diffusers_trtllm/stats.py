@@ -50,7 +50,7 @@ class StepRecord:
     total_tiles: int | None = None
     #: Route name -> calls it ran.
     routes: dict[str, int] = field(default_factory=dict)
-    #: What the policy dropped from the request on these calls, and why (``policy.apply_policy``).
+    #: What the policy dropped from the request on these calls, and why (``routing.policy.apply_policy``).
     notes: set[str] = field(default_factory=set)
 
     @property
@@ -223,7 +223,7 @@ def setting_sources(state: Any) -> dict[str, str]:
     """Where each of a layer's settings came from: ``user``, ``user (roles)``, ``checkpoint ...`` or ``default``."""
     proc = state.processor
     role_override = proc.roles.get(state.role) if isinstance(proc.roles, dict) else None
-    explicit = proc._explicit[state.role]
+    explicit = proc.explicit_settings(state.role)
 
     def by_user(key: str) -> str:
         if isinstance(role_override, str):

@@ -6,7 +6,7 @@ import pytest
 import torch
 from diffusers.utils import logging as diffusers_logging
 
-from diffusers_trtllm.bench.timing import cosine, rel_l1
+from diffusers_trtllm.measure import cosine, rel_l1
 
 __all__ = ["requires_cuda", "rel_l1", "cosine"]
 

@@ -89,7 +89,7 @@ def check_family(name: str, processor_kwargs: dict | None = None) -> dict[str, A
     import torch.nn.functional as F
 
     from diffusers_trtllm import TrtllmAttnProcessor, install, uninstall
-    from diffusers_trtllm.layer import LayerState
+    from diffusers_trtllm.serving.layer import LayerState
 
     counts = {"softmax": 0, "served": 0}
     originals = (F.scaled_dot_product_attention, flex.flex_attention, LayerState.serve)

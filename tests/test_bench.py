@@ -10,7 +10,7 @@ import torch
 from diffusers_trtllm.bench import SHAPES, capture_qkv, load_qkv, save_qkv, structured_qkv
 from diffusers_trtllm.bench.__main__ import main
 from diffusers_trtllm.bench.inputs import Shape, parse_shapes
-from diffusers_trtllm.bench.timing import skipped_fraction, threshold_for, tile_criticals
+from diffusers_trtllm.measure import skipped_fraction, threshold_for, tile_criticals
 from diffusers_trtllm.kernels.reference import reference_attention
 from diffusers_trtllm.layout import PackedLayout
 

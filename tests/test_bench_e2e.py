@@ -11,8 +11,9 @@ import torch
 from diffusers_trtllm.bench.__main__ import main
 from diffusers_trtllm.bench.e2e import SETTINGS, E2EOptions, _SkipStatistics, format_probe, probe, run_e2e
 from diffusers_trtllm.bench.inputs import spy_sdpa
-from diffusers_trtllm.bench.models import MODELS, build_model, local_attention, model_inputs
-from diffusers_trtllm.bench.timing import skipped_fraction
+from diffusers_trtllm.bench.models import MODELS, build_model, model_inputs
+from diffusers_trtllm.locality import local_attention
+from diffusers_trtllm.measure import skipped_fraction
 
 ROW_FIELDS = {"model", "weights", "config", "ms", "vs_stock", "rel_l1", "skipped", "skipped_route", "compiled", "routes",
               "policy", "threshold"}
@@ -116,8 +117,8 @@ def test_settings_build_processor_arguments():
 def test_calibration_for_fits_the_reference_curve_at_the_target():
     from diffusers_trtllm.bench.e2e import calibration_for
     from diffusers_trtllm.bench.inputs import Shape, structured_qkv
-    from diffusers_trtllm.bench.timing import tile_criticals
-    from diffusers_trtllm.calibration import parse_sparse_attention_config
+    from diffusers_trtllm.measure import tile_criticals
+    from diffusers_trtllm.calibration.checkpoint import parse_sparse_attention_config
 
     shape = Shape("s", 1, 2048, 2, 64, grid=(32, 64))
     q, k, _ = (x[0].float() for x in structured_qkv(shape, locality=1.0))
@@ -133,7 +134,7 @@ def test_calibration_for_fits_the_reference_curve_at_the_target():
 def test_calibrated_row_loads_its_curve_or_says_why_not(tmp_path, one_thread, monkeypatch):
     """Tiny models have too few tiles to calibrate (the row says so); with a curve the row runs skip by target."""
     from diffusers_trtllm.bench import e2e
-    from diffusers_trtllm.calibration import sparse_attention_config
+    from diffusers_trtllm.calibration.checkpoint import sparse_attention_config
 
     opts = E2EOptions(models=("wan2.1-t2v-14b",), configs=("skip-calibrated",), weights=("structured",), device="cpu",
                       backend="reference", warmup=0, iters=1, variant="tiny")

@@ -10,7 +10,8 @@ import torch
 
 import tiny_models
 from diffusers_trtllm import TrtllmAttnProcessor, load_calibration, stats
-from diffusers_trtllm.calibration import parse_sparse_attention_config
+from diffusers_trtllm.calibration.checkpoint import parse_sparse_attention_config
+from diffusers_trtllm.serving.layer import layer_of
 
 
 def _group(**over):
@@ -43,12 +44,12 @@ def test_from_checkpoint_config(tmp_path):
     model.set_attn_processor(proc)
     summary = load_calibration(model)
     assert summary == {"transformer": {"calibrated": 1, "ignored": 3, "uncovered": 0}}
-    layer = model.blocks[0].attn2._trtllm_layer
+    layer = layer_of(model.blocks[0].attn2)
     skip = layer.settings().skip
     assert (skip.target_sparsity, skip.disabled_until_timestep) == (0.7, 0.93)
     assert math.isclose(skip.scale_factor(1000), 2822.62 * math.exp(4.388 * 0.7))
-    assert not model.blocks[0].attn1._trtllm_layer.settings().skip.configured  # ignored: stays dense
-    assert model.blocks[1].attn2._trtllm_layer.ignored
+    assert not layer_of(model.blocks[0].attn1).settings().skip.configured  # ignored: stays dense
+    assert layer_of(model.blocks[1].attn2).ignored
 
 
 def test_prefill_spelling_log_a_formula_and_user_target(tmp_path):
@@ -60,7 +61,7 @@ def test_prefill_spelling_log_a_formula_and_user_target(tmp_path):
     proc = TrtllmAttnProcessor(target_sparsity=0.5, disabled_until_timestep=0.8)
     model.set_attn_processor(proc)
     load_calibration(model, path)
-    skip = model.blocks[1].attn1._trtllm_layer.settings().skip
+    skip = layer_of(model.blocks[1].attn1).settings().skip
     assert (skip.target_sparsity, skip.disabled_until_timestep) == (0.5, 0.8)  # the user's choice wins
     assert math.isclose(skip.a, 2822.62) and skip.b == 4.388
 
@@ -74,8 +75,8 @@ def test_two_experts_get_their_own_curves():
     low["sparse_attention_config"]["config_groups"]["group_0"]["threshold_scale_factor"]["coefficients"] = {"a": 10.0, "b": 1.0}
     summary = load_calibration(pipe, {"transformer": high, "transformer_2": low})
     assert summary["transformer"]["calibrated"] == summary["transformer_2"]["calibrated"] == 4
-    assert pipe.transformer.blocks[0].attn1._trtllm_layer.calibration.a == 2822.62
-    assert pipe.transformer_2.blocks[0].attn1._trtllm_layer.calibration.a == 10.0
+    assert layer_of(pipe.transformer.blocks[0].attn1).calibration.a == 2822.62
+    assert layer_of(pipe.transformer_2.blocks[0].attn1).calibration.a == 10.0
     out = pipe(**kwargs, num_inference_steps=2).frames
     assert torch.isfinite(out).all()
 
@@ -115,18 +116,18 @@ def test_user_gate_wins_over_the_checkpoint_and_sources_say_so(tmp_path):
     proc = TrtllmAttnProcessor(disabled_until_timestep=0.5, backend="reference")
     model.set_attn_processor(proc)
     load_calibration(model)
-    state = model.blocks[0].attn1._trtllm_layer
+    state = layer_of(model.blocks[0].attn1)
     skip = state.settings().skip
     assert (skip.target_sparsity, skip.disabled_until_timestep) == (0.7, 0.5)
     sources = stats.setting_sources(state)
     assert sources["gate_source"] == "user"
     assert sources["skip_source"].startswith("checkpoint transformer:group_0")
-    assert "ignore" in stats.setting_sources(model.blocks[1].attn1._trtllm_layer)["skip_source"]
+    assert "ignore" in stats.setting_sources(layer_of(model.blocks[1].attn1))["skip_source"]
     # Nothing set by the user: the checkpoint's gate applies, and says where it came from.
     proc = TrtllmAttnProcessor(target_sparsity=0.4, backend="reference")
     model.set_attn_processor(proc)
     load_calibration(model)
-    state = model.blocks[0].attn1._trtllm_layer
+    state = layer_of(model.blocks[0].attn1)
     assert state.settings().skip.disabled_until_timestep == 0.93
     assert stats.setting_sources(state)["gate_source"] == "checkpoint transformer:group_0"
     assert stats.setting_sources(state)["skip_source"] == "user, curve from checkpoint transformer:group_0"

@@ -11,10 +11,11 @@ import torch
 
 import tiny_models
 from diffusers_trtllm import TrtllmAttnProcessor, calibrate, load_calibration, save_calibration
-from diffusers_trtllm.calibration import parse_sparse_attention_config
-from diffusers_trtllm.calibrator import LayerStepSparsity, fit_groups
-from diffusers_trtllm.bench.models import make_attention_local
+from diffusers_trtllm.calibration.checkpoint import parse_sparse_attention_config
+from diffusers_trtllm.calibration.fit import LayerStepSparsity, fit_groups
+from diffusers_trtllm.locality import make_attention_local
 from diffusers_trtllm.demo import build_demo_pipeline, install
+from diffusers_trtllm.serving.layer import layer_of
 
 STEPS = 6
 
@@ -46,7 +47,7 @@ def test_calibrate_save_reload_and_hit_held_out_targets(demo, tmp_path):
     assert math.isclose(parsed.a, group.a) and math.isclose(parsed.b, group.b) and parsed.target_sparsity == 0.3
     assert on_disk["sparse_attention_config"]["producer"]["name"] == "diffusers-trtllm"
     # The processors calibrate() installed are gone again.
-    assert not any(hasattr(m, "_trtllm_layer") and isinstance(m.processor, TrtllmAttnProcessor)
+    assert not any(layer_of(m) is not None and isinstance(m.processor, TrtllmAttnProcessor)
                    for m in pipe.transformer.modules())
     errors = {}
     for target in (0.15, 0.25, 0.35):  # none of them is a point of the fitted grid
@@ -118,8 +119,8 @@ def test_wan22_experts_get_their_own_curves(tmp_path):
     proc = TrtllmAttnProcessor(target_sparsity=0.2, backend="reference")
     install(pipe, proc)
     load_calibration(pipe, path)
-    assert math.isclose(pipe.transformer_2.blocks[0].attn1._trtllm_layer.calibration.a, low.a)
-    assert math.isclose(pipe.transformer.blocks[0].attn1._trtllm_layer.calibration.a, high.a)
+    assert math.isclose(layer_of(pipe.transformer_2.blocks[0].attn1).calibration.a, low.a)
+    assert math.isclose(layer_of(pipe.transformer.blocks[0].attn1).calibration.a, high.a)
 
 
 @pytest.mark.parametrize("group_by", ["role", "layer"])

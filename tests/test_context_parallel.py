@@ -254,7 +254,7 @@ def test_ulysses_by_ring_equals_one_process():
 def test_which_context_parallel_calls_are_served(config, degrees):
     from diffusers import ContextParallelConfig, ParallelConfig
 
-    from diffusers_trtllm.integration.parallel import served_degrees
+    from diffusers_trtllm.serving.parallel import served_degrees
 
     assert served_degrees(ParallelConfig(context_parallel_config=ContextParallelConfig(**config))) == degrees
     assert served_degrees(ParallelConfig()) is None

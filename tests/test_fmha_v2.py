@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from fake_fmha_v2 import fake_trtllm_fmha_v2_prefill
-from diffusers_trtllm.kernels import _dense_order, _flashinfer, fa3, fmha_v2
+from diffusers_trtllm.kernels import fa3, flashinfer_support, fmha_v2
 from diffusers_trtllm.layout import PackedLayout
-from diffusers_trtllm.routes import AttentionCall, get_route, route_names, select_route
+from diffusers_trtllm.routing import AttentionCall, get_route, order, ranked_routes, route_names, select_route
 
 
 def _call(dim: int = 128, tokens: int = 256, skip: float | None = None, dtype=torch.bfloat16) -> AttentionCall:
@@ -23,8 +23,8 @@ def _call(dim: int = 128, tokens: int = 256, skip: float | None = None, dtype=to
 @pytest.fixture
 def fake_flashinfer(monkeypatch):
     """FlashInfer importable, kernels not built yet; tests set nvcc and the SM."""
-    monkeypatch.setattr(_flashinfer, "_import", lambda: (types.SimpleNamespace(), None))
-    monkeypatch.setattr(_flashinfer, "jit_built", lambda uri: False)
+    monkeypatch.setattr(flashinfer_support, "_import", lambda: (types.SimpleNamespace(), None))
+    monkeypatch.setattr(flashinfer_support, "jit_built", lambda uri: False)
     monkeypatch.setattr(fa3, "module_uri", lambda call: "fa3_module")
     return monkeypatch
 
@@ -47,7 +47,7 @@ def test_fa3_has_no_skip_softmax():
 
 @pytest.mark.parametrize("name", ["fmha-v2", "fa3"])
 def test_missing_flashinfer_is_the_reason(monkeypatch, name):
-    monkeypatch.setattr(_flashinfer, "_import", lambda: (None, "ModuleNotFoundError: No module named 'flashinfer'"))
+    monkeypatch.setattr(flashinfer_support, "_import", lambda: (None, "ModuleNotFoundError: No module named 'flashinfer'"))
     reasons = get_route(name).extra_reasons(_call())
     assert len(reasons) == 1 and "flashinfer is not installed" in reasons[0]
     assert "pip install" in reasons[0]
@@ -55,11 +55,11 @@ def test_missing_flashinfer_is_the_reason(monkeypatch, name):
 
 @pytest.mark.parametrize("name", ["fmha-v2", "fa3"])
 def test_missing_nvcc_is_the_reason_until_built(fake_flashinfer, name):
-    fake_flashinfer.setattr(_flashinfer, "nvcc_path", lambda: None)
+    fake_flashinfer.setattr(flashinfer_support, "nvcc_path", lambda: None)
     fake_flashinfer.setattr(fmha_v2, "device_sm", lambda device: 90)
     reasons = get_route(name).extra_reasons(_call())
     assert len(reasons) == 1 and "no nvcc" in reasons[0] and "CUDA_HOME" in reasons[0]
-    fake_flashinfer.setattr(_flashinfer, "jit_built", lambda uri: True)  # a cached build needs no compiler
+    fake_flashinfer.setattr(flashinfer_support, "jit_built", lambda uri: True)  # a cached build needs no compiler
     assert get_route(name).extra_reasons(_call()) == []
 
 
@@ -67,11 +67,11 @@ def test_nvcc_from_cuda_home(tmp_path, monkeypatch):
     (tmp_path / "bin").mkdir()
     (tmp_path / "bin" / "nvcc").write_text("")
     monkeypatch.setenv("CUDA_HOME", str(tmp_path))
-    assert _flashinfer.nvcc_path() == str(tmp_path / "bin" / "nvcc")
+    assert flashinfer_support.nvcc_path() == str(tmp_path / "bin" / "nvcc")
 
 
 def test_fmha_v2_skip_only_on_sm90(fake_flashinfer):
-    fake_flashinfer.setattr(_flashinfer, "nvcc_path", lambda: "/usr/bin/nvcc")
+    fake_flashinfer.setattr(flashinfer_support, "nvcc_path", lambda: "/usr/bin/nvcc")
     route = get_route("fmha-v2")
     fake_flashinfer.setattr(fmha_v2, "device_sm", lambda device: 120)
     assert route.extra_reasons(_call()) == []  # dense on SM120 is fine
@@ -83,7 +83,7 @@ def test_fmha_v2_skip_only_on_sm90(fake_flashinfer):
 
 def test_fmha_v2_refuses_unequal_query_and_key_counts(fake_flashinfer):
     """FlashInfer 0.7.4's kernel got such sequences wrong on the H200 (rel-L1 0.2-0.3, or NaNs)."""
-    fake_flashinfer.setattr(_flashinfer, "nvcc_path", lambda: "/usr/bin/nvcc")
+    fake_flashinfer.setattr(flashinfer_support, "nvcc_path", lambda: "/usr/bin/nvcc")
     fake_flashinfer.setattr(fmha_v2, "device_sm", lambda device: 90)
     cu = lambda lens: torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)  # noqa: E731
     for q_lens, kv_lens, refused in (([100, 50], [100, 80], True), ([100, 80], [100, 50], True), ([64, 9], [64, 9], False)):
@@ -104,45 +104,40 @@ def test_fmha_v2_module_uri_matches_flashinfer_naming():
 
 
 def test_dense_order_on_sm90_follows_the_measured_table(monkeypatch):
-    monkeypatch.setattr(_dense_order, "device_sm", lambda device: 90)
-    monkeypatch.setattr(fmha_v2, "device_sm", lambda device: 90)
-    for (dim, bucket), order in _dense_order.SM90_DENSE_ORDER.items():
-        tokens = {"text": 512, "short": 4096, "long": _dense_order.LONG_KV + 64}[bucket]
-        call = _call(dim=dim, tokens=tokens)
-        ranked = sorted(order, key=lambda name: get_route(name).priority(call))
-        assert tuple(ranked) == order
-        assert all(get_route(name).priority(call) < get_route("reference").priority(call) for name in order)
+    monkeypatch.setattr(order, "device_sm", lambda device: 90)
+    for (dim, bucket), measured in order.SM90_DENSE_ORDER.items():
+        tokens = {"text": 512, "short": 4096, "long": order.LONG_KV + 64}[bucket]
+        ranked = ranked_routes(_call(dim=dim, tokens=tokens))
+        assert tuple(ranked[:len(measured)]) == measured and "reference" not in ranked
     # Skip-softmax without SAGE on SM90 goes to gluon, then fmha-v2, ahead of every other route.
-    skip = _call(skip=10.0)
-    others = min(get_route(n).priority(skip) for n in route_names() if n not in ("gluon", "fmha-v2"))
-    assert get_route("gluon").priority(skip) < get_route("fmha-v2").priority(skip) < others
+    assert ranked_routes(_call(skip=10.0))[:2] == ["gluon", "fmha-v2"]
 
 
 def test_dense_order_off_hopper_keeps_registration_order_with_triton_after_sdpa():
     call = _call()  # CPU: no SM
-    names = [n for n in route_names() if n != "triton"]
-    assert [get_route(n).priority(call) for n in names] == sorted(get_route(n).priority(call) for n in names)
+    ranked = ranked_routes(call)
+    assert [n for n in ranked if n != "triton"] == [n for n in route_names() if n not in ("triton", "reference")]
     # The Triton kernel's dense path is the fallback: cuDNN / FlashAttention-2 through sdpa come first.
-    assert get_route("sdpa").priority(call) < get_route("triton").priority(call) < get_route("reference").priority(call)
-    skip = _call(skip=10.0)
-    assert get_route("triton").priority(skip) < get_route("sdpa").priority(skip)
+    assert ranked.index("sdpa") < ranked.index("triton") and "reference" not in ranked
+    skip = ranked_routes(_call(skip=10.0))
+    assert skip.index("triton") < skip.index("sdpa")
     assert select_route(call).name == "sdpa"
 
 
 def test_workspace_is_shared_and_zeroed():
-    a = _flashinfer.flashinfer_workspace("cpu", min_bytes=1024)
-    b = _flashinfer.flashinfer_workspace(torch.device("cpu"))
+    a = flashinfer_support.flashinfer_workspace("cpu", min_bytes=1024)
+    b = flashinfer_support.flashinfer_workspace(torch.device("cpu"))
     assert a is b and a.dtype == torch.uint8 and int(a.count_nonzero()) == 0
-    big = _flashinfer.flashinfer_workspace("cpu", min_bytes=a.numel() + 1)
-    assert big.numel() > a.numel() and _flashinfer.flashinfer_workspace("cpu") is big
-    _flashinfer._workspaces.clear()
+    big = flashinfer_support.flashinfer_workspace("cpu", min_bytes=a.numel() + 1)
+    assert big.numel() > a.numel() and flashinfer_support.flashinfer_workspace("cpu") is big
+    flashinfer_support._workspaces.clear()
 
 
 def test_announce_jit_warns_once(monkeypatch, caplog):
-    monkeypatch.setattr(_flashinfer, "jit_built", lambda uri: False)
+    monkeypatch.setattr(flashinfer_support, "jit_built", lambda uri: False)
     with caplog.at_level("WARNING", logger="diffusers_trtllm"):
-        _flashinfer.announce_jit("some_module_for_test")
-        _flashinfer.announce_jit("some_module_for_test")
+        flashinfer_support.announce_jit("some_module_for_test")
+        flashinfer_support.announce_jit("some_module_for_test")
     messages = [r.getMessage() for r in caplog.records if "some_module_for_test" in r.getMessage()]
     assert len(messages) == 1 and "about 80 s, once" in messages[0]
 
@@ -170,9 +165,9 @@ def test_fa3_returns_flashinfer_lse_in_natural_log(monkeypatch):
             def run(self, q, k, v, return_lse=False):
                 return attend(q, k, v, layout, 0.125, return_lse)
 
-        monkeypatch.setattr(_flashinfer, "flashinfer_or_none", lambda: types.SimpleNamespace(
+        monkeypatch.setattr(flashinfer_support, "flashinfer_or_none", lambda: types.SimpleNamespace(
             single_prefill_with_kv_cache=single))
-        monkeypatch.setattr(_flashinfer, "announce_jit", lambda *a, **kw: None)
+        monkeypatch.setattr(flashinfer_support, "announce_jit", lambda *a, **kw: None)
         monkeypatch.setattr(fa3, "module_uri", lambda call: "fa3_module")
         monkeypatch.setattr(fa3, "_ragged_wrapper", lambda call: Ragged())
         route = get_route("fa3")
@@ -204,8 +199,8 @@ def test_fmha_v2_lse_from_softmax_stats(monkeypatch):
 
     calls: list = []
     fi = types.SimpleNamespace(prefill=types.SimpleNamespace(trtllm_fmha_v2_prefill=fake_trtllm_fmha_v2_prefill(calls)))
-    monkeypatch.setattr(_flashinfer, "_import", lambda: (fi, None))
-    monkeypatch.setattr(_flashinfer, "jit_built", lambda uri: True)
+    monkeypatch.setattr(flashinfer_support, "_import", lambda: (fi, None))
+    monkeypatch.setattr(flashinfer_support, "jit_built", lambda uri: True)
     for return_lse in (False, True):
         call = _ragged_call(return_lse=return_lse)
         result = get_route("fmha-v2").run(call)
@@ -226,13 +221,13 @@ def test_fmha_v2_lse_from_softmax_stats(monkeypatch):
 def test_fmha_v2_lse_needs_sm90_and_the_contiguous_module(fake_flashinfer):
     route = get_route("fmha-v2")
     lse = _ragged_call(return_lse=True, kv_shards=2)
-    fake_flashinfer.setattr(_flashinfer, "nvcc_path", lambda: None)
-    fake_flashinfer.setattr(_flashinfer, "jit_built", lambda uri: uri == fmha_v2.module_uri(torch.bfloat16))
+    fake_flashinfer.setattr(flashinfer_support, "nvcc_path", lambda: None)
+    fake_flashinfer.setattr(flashinfer_support, "jit_built", lambda uri: uri == fmha_v2.module_uri(torch.bfloat16))
     fake_flashinfer.setattr(fmha_v2, "device_sm", lambda device: 90)
     assert route.extra_reasons(_ragged_call()) == []
     (reason,) = route.extra_reasons(lse)
     assert "trtllm_fmha_v2_contiguous_q_kv_bf16_bf16" in reason
-    fake_flashinfer.setattr(_flashinfer, "jit_built", lambda uri: True)
+    fake_flashinfer.setattr(flashinfer_support, "jit_built", lambda uri: True)
     assert route.extra_reasons(lse) == []
     fake_flashinfer.setattr(fmha_v2, "device_sm", lambda device: 120)
     (reason,) = route.extra_reasons(lse)
@@ -246,19 +241,18 @@ def test_ring_skip_calls_choose_the_fmha_v2_routes_on_sm90(fake_flashinfer, quan
     one GPU runs the gluon kernel, which returns no log-sum-exp, so the ring shard takes fmha-v2."""
     from diffusers_trtllm.config import QuantConfig
     from diffusers_trtllm.kernels import fmha_v2_fp8, gluon_attn
-    from diffusers_trtllm.routes import _capability_reasons
+    from diffusers_trtllm.routing.registry import capability_reasons
 
-    fake_flashinfer.setattr(_flashinfer, "jit_built", lambda uri: True)
-    for module in (fmha_v2, fmha_v2_fp8, _dense_order, gluon_attn):
+    fake_flashinfer.setattr(flashinfer_support, "jit_built", lambda uri: True)
+    for module in (fmha_v2, order, gluon_attn):
         fake_flashinfer.setattr(module, "device_sm", lambda device: 90)
 
     def auto_choice(call):
         def reasons(route):
             on_cpu = replace(route.caps, device_types=frozenset({"cpu"}))
-            return _capability_reasons(on_cpu, call) or route.extra_reasons(call)
+            return capability_reasons(on_cpu, call) or route.extra_reasons(call)
 
-        ranked = sorted((get_route(n) for n in route_names()), key=lambda route: route.priority(call))
-        return next(route.name for route in ranked if route.auto and not reasons(route))
+        return next(name for name in ranked_routes(call) if not reasons(get_route(name)))
 
     one = _call(skip=10.0)
     if quant is not None:

@@ -16,11 +16,11 @@ import torch
 from conftest import rel_l1
 from fake_fmha_v2 import fake_trtllm_fmha_v2_prefill
 from diffusers_trtllm.config import QuantConfig
-from diffusers_trtllm.kernels import _flashinfer, fmha_v2_fp8
+from diffusers_trtllm.kernels import fa3, flashinfer_support, fmha_v2_fp8
 from diffusers_trtllm.kernels.fp8_tensor_quant import quantize_fp8_per_tensor, restore_output
 from diffusers_trtllm.kernels.reference import reference_attention
 from diffusers_trtllm.layout import PackedLayout
-from diffusers_trtllm.routes import AttentionCall, get_route, select_route
+from diffusers_trtllm.routing import AttentionCall, get_route, order, select_route
 
 FP8 = QuantConfig(dtype_qk="fp8_e4m3")
 
@@ -43,8 +43,9 @@ def _fake_prefill(calls: list):
 def fake_fi(monkeypatch):
     calls: list = []
     fi = types.SimpleNamespace(prefill=types.SimpleNamespace(trtllm_fmha_v2_prefill=_fake_prefill(calls)))
-    monkeypatch.setattr(_flashinfer, "_import", lambda: (fi, None))
-    monkeypatch.setattr(_flashinfer, "jit_built", lambda uri: True)
+    monkeypatch.setattr(flashinfer_support, "_import", lambda: (fi, None))
+    monkeypatch.setattr(flashinfer_support, "jit_built", lambda uri: True)
+    monkeypatch.setattr(fa3, "module_uri", lambda call: "fa3_module")  # the fake has no JIT module names
     return calls
 
 
@@ -67,7 +68,6 @@ def _dense(q, k, v, layout, scale):
 
 
 def test_route_hands_flashinfer_fp8_contiguous_q_kv_and_restores_v(fake_fi, monkeypatch):
-    monkeypatch.setattr(fmha_v2_fp8, "device_sm", lambda device: 90)
     q, k, v, layout = _ragged(dtype=torch.bfloat16)
     call = AttentionCall(q, k, v, layout, 0.125, skip_factor=7.0, quant=FP8)
     result = get_route("fmha-v2-fp8").run(call)
@@ -111,7 +111,7 @@ def test_restore_output_repeats_scales_for_grouped_heads():
     assert torch.equal(out[:, 0], out[:, 1]) and torch.equal(out[:, 2], out[:, 3])
 
 
-def test_reasons_and_priority(fake_fi, monkeypatch):
+def test_reasons_and_rank(fake_fi, monkeypatch):
     route = get_route("fmha-v2-fp8")
     q, k, v, layout = _ragged(dtype=torch.bfloat16)
     dense = AttentionCall(q, k, v, layout, 0.1)
@@ -121,9 +121,8 @@ def test_reasons_and_priority(fake_fi, monkeypatch):
     assert any("fp8 SAGE calls only" in r for r in route.extra_reasons(dense))
     assert any("no SAGE with dtype_qk=int8" in r for r in route.not_supported_reasons(int8))
     assert route.extra_reasons(sage) == []
-    monkeypatch.setattr(fmha_v2_fp8, "device_sm", lambda device: 90)
-    others = [get_route(n).priority(sage) for n in ("triton", "sdpa", "reference")]
-    assert route.priority(sage) < min(others)
+    monkeypatch.setattr(order, "device_sm", lambda device: 90)
+    assert order.ranked_routes(sage)[0] == "fmha-v2-fp8"
     assert select_route(dense).name == "sdpa"  # CPU: never this route
 
 

@@ -15,7 +15,7 @@ from diffusers_trtllm import PackedLayout, SkipSoftmaxConfig, run_attention
 from diffusers_trtllm.bench.inputs import holed_batch
 from diffusers_trtllm.kernels.fmha_v2 import Q_STEP, kv_step
 from diffusers_trtllm.kernels.reference import reference_attention
-from diffusers_trtllm.routes import AttentionCall, device_sm, get_route
+from diffusers_trtllm.routing.registry import AttentionCall, device_sm, get_route
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
 

@@ -58,7 +58,7 @@ def test_auto_takes_it_for_skip_alone_on_sm90_only(monkeypatch):
     off sm_90 (here: the CPU) it says why it cannot serve."""
     from diffusers_trtllm.config import QuantConfig
     from diffusers_trtllm.layout import PackedLayout
-    from diffusers_trtllm.routes import AttentionCall, get_route, route_names
+    from diffusers_trtllm.routing import AttentionCall, get_route, ranked_routes
 
     q = torch.randn(8, 2, 64, dtype=torch.bfloat16)
     cu = torch.tensor([0, 8], dtype=torch.int32)
@@ -66,7 +66,8 @@ def test_auto_takes_it_for_skip_alone_on_sm90_only(monkeypatch):
     route = get_route("gluon")
     assert route.auto
     skip = dataclasses.replace(call, skip_factor=1.0)
-    assert route.priority(skip) < min(get_route(n).priority(skip) for n in route_names() if n != "gluon")
+    assert ranked_routes(skip)[0] == "gluon"
     for other in (call, dataclasses.replace(skip, quant=QuantConfig("int8"))):
-        assert get_route("triton").priority(other) < route.priority(other)
+        ranked = ranked_routes(other)
+        assert ranked.index("triton") < ranked.index("gluon")
     assert route.not_supported_reasons(skip)  # no sm_90 GPU here

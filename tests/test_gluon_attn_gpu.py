@@ -121,7 +121,7 @@ def test_nonfinite_inputs_propagate(tensor, value, dtype_qk, skip):
 
 def test_auto_takes_it_for_skip_alone_only():
     """On the H200 ``auto`` runs skip-softmax alone on gluon; dense work goes to fa3/cuDNN and int8 SAGE to triton."""
-    from diffusers_trtllm.routes import AttentionCall, select_route
+    from diffusers_trtllm.routing import AttentionCall, select_route
 
     q, k, v, layout = _inputs(128)
     dense = AttentionCall(q, k, v, layout, softmax_scale=128**-0.5)

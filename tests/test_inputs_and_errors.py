@@ -221,8 +221,8 @@ def test_cli_help_shows_defaults(capsys):
 def test_cli_policy_reaches_the_processor():
     from diffusers_trtllm.__main__ import _processor
 
-    assert _processor(parse_args([]), skip=True, sage=True, backend="auto")._role_settings["self"].policy == "auto"
-    assert _processor(parse_args(["--policy", "always"]), skip=True, sage=False, backend="auto")._role_settings["self"].policy == "always"
+    assert _processor(parse_args([]), skip=True, sage=True, backend="auto").role_settings("self").policy == "auto"
+    assert _processor(parse_args(["--policy", "always"]), skip=True, sage=False, backend="auto").role_settings("self").policy == "always"
 
 
 def test_calibration_json_roundtrip_of_accepted_file(tmp_path):

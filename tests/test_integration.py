@@ -15,7 +15,8 @@ import torch
 import tiny_models
 from diffusers_trtllm import (TrtllmAttnProcessor, attach_denoise_tracking, detach_denoise_tracking, install,
                               uninstall)
-from diffusers_trtllm.integration import intercept
+from diffusers_trtllm.serving import intercept
+from diffusers_trtllm.serving.layer import layer_of
 
 SPARSE = dict(skip_softmax_threshold=0.3, backend="reference", quant={"dtype_qk": "int8", "k_block_size": 1})
 
@@ -99,7 +100,7 @@ def test_two_models_sharing_one_processor_in_two_threads_keep_their_timesteps():
     outputs = _in_threads(*[(lambda m=m, i=i: _run(m, i)) for m, i, _ in runs])
     for (model, _, single), outs in zip(runs, outputs):
         _assert_all_equal(outs, single)
-        sparse = {r.sparse for m in model.modules() if "_trtllm_layer" in m.__dict__ for r in m._trtllm_layer.records}
+        sparse = {r.sparse for m in model.modules() if layer_of(m) is not None for r in layer_of(m).records}
         assert sparse == {model is runs[1][0]}
 
 
@@ -123,7 +124,7 @@ def test_uninstall_restores_stock_bit_for_bit_and_every_global():
     uninstall(flux)
     assert torch.equal(_run(model, inputs), expected)
     assert torch.equal(_run(flux, flux_inputs), flux_expected)
-    assert not any("_trtllm_layer" in m.__dict__ for m in [*model.modules(), *flux.modules()])
+    assert not any(layer_of(m) is not None for m in [*model.modules(), *flux.modules()])
     assert intercept.rebound_modules() == []
     module = sys.modules["diffusers.models.transformers.transformer_flux"]
     assert module.dispatch_attention_fn is attention_dispatch.dispatch_attention_fn
@@ -178,8 +179,8 @@ def test_deepcopy_gives_an_independent_model():
     install(model, TrtllmAttnProcessor())
     expected = _run(model, inputs)
     clone = copy.deepcopy(model)
-    layers = [m._trtllm_layer for m in clone.modules() if "_trtllm_layer" in m.__dict__]
-    originals = [m._trtllm_layer for m in model.modules() if "_trtllm_layer" in m.__dict__]
+    layers = [layer_of(m) for m in clone.modules() if layer_of(m) is not None]
+    originals = [layer_of(m) for m in model.modules() if layer_of(m) is not None]
     assert layers and not {id(s) for s in layers} & {id(s) for s in originals}
     assert all(int(a.key) != int(b.key) for a, b in zip(layers, originals))
     del model, originals
@@ -205,7 +206,7 @@ def test_pickle_round_trip(how):
         buffer.seek(0)
         restored = torch.load(buffer, weights_only=False)
     torch.testing.assert_close(_run(restored, inputs), expected)
-    layers = [m._trtllm_layer for m in restored.modules() if "_trtllm_layer" in m.__dict__]
+    layers = [layer_of(m) for m in restored.modules() if layer_of(m) is not None]
     assert len(layers) == 4 and all(r.route == "reference" for s in layers for r in s.records[-1:])
     assert layers[0].processor.layers == sorted(layers, key=lambda s: int(s.key))
 
@@ -223,7 +224,7 @@ def test_statistics_stay_bounded_without_timestep_tracking():
         _run(model, inputs)
     assert all(len(s.records) == 5 for s in proc.layers)
     assert [r.step for r in proc.layers[0].records] == list(range(7, 12))
-    assert len(proc._layouts) <= 8 and MAX_STEPS >= 1000
+    assert len(proc.layouts) <= 8 and MAX_STEPS >= 1000
 
 
 def test_per_token_timestep_uses_the_largest_t():

@@ -15,6 +15,7 @@ import torch
 
 from diffusers_trtllm import calibrate, save_calibration
 from diffusers_trtllm.demo import build_demo_pipeline
+from diffusers_trtllm.serving.layer import layer_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: (text in the card, what the CPU test runs instead)
@@ -68,7 +69,7 @@ def test_model_card_snippet_runs_against_a_local_checkpoint(tmp_path, capsys):
     scope: dict = {}
     exec(compile(snippet, "docs/model_card.md", "exec"), scope)
     proc, pipe = scope["proc"], scope["pipe"]
-    layers = [m._trtllm_layer for m in pipe.transformer.modules() if hasattr(m, "_trtllm_layer")]
+    layers = [layer_of(m) for m in pipe.transformer.modules() if layer_of(m) is not None]
     assert layers and all(s.calibration is not None for s in layers)  # read from the checkpoint's config.json
     rows = proc.summary()
     assert any(r["attention"] == "sparse" and r["skipped_fraction"] > 0 for r in rows)

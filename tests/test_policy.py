@@ -7,10 +7,10 @@ import torch
 
 import tiny_models
 from diffusers_trtllm import SkipSoftmaxConfig, TrtllmAttnProcessor, run_attention
-from diffusers_trtllm import policy as policy_mod
+from diffusers_trtllm.routing import policy as policy_mod
 from diffusers_trtllm.config import QuantConfig
 from diffusers_trtllm.layout import PackedLayout
-from diffusers_trtllm.routes import AttentionCall
+from diffusers_trtllm.routing.registry import AttentionCall
 
 INT8 = QuantConfig(dtype_qk="int8")
 

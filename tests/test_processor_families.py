@@ -10,6 +10,7 @@ import torch
 import tiny_models
 from conftest import rel_l1
 from diffusers_trtllm import TrtllmAttnProcessor
+from diffusers_trtllm.serving.layer import layer_of
 
 #: (family, roles the layers must have, how each is served)
 EXPECTED = {
@@ -105,7 +106,7 @@ def test_wan22_two_experts_share_one_processor():
     pipe.transformer.set_attn_processor(proc)
     pipe.transformer_2.set_attn_processor(proc)
     assert len(proc.layers) == 8  # 2 blocks x (attn1, attn2) x 2 experts
-    assert pipe.transformer.blocks[0].attn1._trtllm_layer is not pipe.transformer_2.blocks[0].attn1._trtllm_layer
+    assert layer_of(pipe.transformer.blocks[0].attn1) is not layer_of(pipe.transformer_2.blocks[0].attn1)
     out = pipe(**kwargs, num_inference_steps=2).frames
     assert torch.isfinite(out).all()
 
@@ -123,7 +124,7 @@ def test_unservable_layer_keeps_stock_behaviour(caplog):
             out = attn(x)
             attn(x)
     torch.testing.assert_close(out, ref)
-    assert attn._trtllm_layer.mode is None
+    assert layer_of(attn).mode is None
     assert sum("keeps its stock attention" in r.message for r in caplog.records) <= 1
 
 

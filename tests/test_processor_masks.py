@@ -7,7 +7,7 @@ import torch
 
 import tiny_models
 from diffusers_trtllm import TrtllmAttnProcessor
-from diffusers_trtllm import layer as layer_module
+from diffusers_trtllm.serving import layer as layer_module
 from diffusers_trtllm.layout import MaskNotSupportedError
 
 

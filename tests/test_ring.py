@@ -10,7 +10,7 @@ from diffusers_trtllm.attention import run_attention
 from diffusers_trtllm.bench.inputs import Shape, structured_qkv
 from diffusers_trtllm.bench.ring_skip import merge_by_lse, ring_reference
 from diffusers_trtllm.layout import PackedLayout
-from diffusers_trtllm.routes import AttentionCall, get_route, route_names
+from diffusers_trtllm.routing.registry import AttentionCall, get_route, route_names
 
 SHAPE = Shape("ring", 1, 1024, 2, 64, (4, 16, 16))
 

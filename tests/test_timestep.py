@@ -10,7 +10,8 @@ from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
 
 import tiny_models
 from diffusers_trtllm import DenoiseStepCallback, TrtllmAttnProcessor, attach_denoise_tracking
-from diffusers_trtllm.timestep import TimestepNormalizer, detach_denoise_tracking
+from diffusers_trtllm.serving.timestep import TimestepNormalizer, detach_denoise_tracking
+from diffusers_trtllm.serving.layer import layer_of
 
 STEPS = 5
 GATE = 0.5
@@ -58,8 +59,8 @@ def test_wan22_two_experts_tracked():
     attach_denoise_tracking(pipe, proc)
     pipe(**kwargs, num_inference_steps=STEPS)
     assert _observed(proc) == _expected(pipe)
-    high = {r.step for s in proc.layers if s.name and s in [m._trtllm_layer for m in pipe.transformer.modules()
-                                                          if hasattr(m, "_trtllm_layer")] for r in s.records}
+    high = {r.step for s in proc.layers if s.name and s in [layer_of(m) for m in pipe.transformer.modules()
+                                                          if layer_of(m) is not None] for r in s.records}
     assert high and len(high) < STEPS, "the high-noise expert serves the early steps only"
 
 

@@ -259,7 +259,7 @@ def test_kernel_under_interpreter(interpreted, case):
 def test_route_capabilities_and_reasons(monkeypatch):
     from diffusers_trtllm.config import QuantConfig
     from diffusers_trtllm.kernels import triton_attn
-    from diffusers_trtllm.routes import AttentionCall, ROUTE_MODULES, get_route
+    from diffusers_trtllm.routing.registry import AttentionCall, ROUTE_MODULES, get_route
 
     assert ROUTE_MODULES.index("triton_attn") < ROUTE_MODULES.index("sdpa")
     assert ROUTE_MODULES.index("triton_attn") > max(ROUTE_MODULES.index(m) for m in ("trtllm_gen", "fa3", "fmha_v2"))

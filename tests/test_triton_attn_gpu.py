@@ -171,7 +171,7 @@ def test_sage_attention_matches_reference(dtype_qk, skip, dim):
 
 def test_route_is_auto_for_sage_on_this_gpu():
     from diffusers_trtllm.config import QuantConfig as QC
-    from diffusers_trtllm.routes import AttentionCall, device_sm, select_route
+    from diffusers_trtllm.routing import AttentionCall, device_sm, select_route
 
     q, k, v, layout = _inputs(128)
     call = AttentionCall(q, k, v, layout, softmax_scale=128**-0.5, quant=QC("int8"))

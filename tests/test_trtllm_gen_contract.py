@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from diffusers_trtllm import QuantConfig, SkipSoftmaxConfig, run_attention
-from diffusers_trtllm.kernels import _flashinfer, trtllm_gen
+from diffusers_trtllm.kernels import flashinfer_support, trtllm_gen
 from diffusers_trtllm.kernels.reference import SageTensors, block_ids, reference_attention, sage_quantize
 from diffusers_trtllm.layout import PackedLayout
-from diffusers_trtllm.routes import AttentionCall
+from diffusers_trtllm.routing.registry import AttentionCall
 
 
 class FakeFlashInfer:
@@ -142,9 +142,9 @@ def fake(monkeypatch):
 
     def install(layout):
         fi = FakeFlashInfer(layout)
-        monkeypatch.setattr(_flashinfer, "flashinfer_or_none", lambda: fi)
-        monkeypatch.setattr(_flashinfer, "flashinfer_missing_reason", lambda: None)
-        monkeypatch.setattr(_flashinfer, "flashinfer_workspace", lambda device: torch.zeros(64, dtype=torch.uint8))
+        monkeypatch.setattr(flashinfer_support, "flashinfer_or_none", lambda: fi)
+        monkeypatch.setattr(flashinfer_support, "flashinfer_missing_reason", lambda: None)
+        monkeypatch.setattr(flashinfer_support, "flashinfer_workspace", lambda device: torch.zeros(64, dtype=torch.uint8))
         monkeypatch.setattr(trtllm_gen, "device_sm", lambda device: 100)
         caps = replace(trtllm_gen.TrtllmGenRoute.caps, device_types=frozenset({"cpu", "cuda"}), sms=None)
         monkeypatch.setattr(trtllm_gen.TrtllmGenRoute, "caps", caps)
@@ -242,7 +242,7 @@ def test_reasons_without_flashinfer_or_blackwell(monkeypatch):
     route = trtllm_gen.TrtllmGenRoute()
     assert any("runs on ['cuda'], not cpu" in r for r in route.not_supported_reasons(_call()))
     monkeypatch.setattr(trtllm_gen.TrtllmGenRoute, "caps", replace(route.caps, device_types=frozenset({"cpu"})))
-    monkeypatch.setattr(_flashinfer, "flashinfer_missing_reason", lambda: "flashinfer is not installed")
+    monkeypatch.setattr(flashinfer_support, "flashinfer_missing_reason", lambda: "flashinfer is not installed")
     assert route.not_supported_reasons(_call()) == ["flashinfer is not installed"]
     reasons = route.not_supported_reasons(_call(dim=64, dtype=torch.float32, kv_heads=1))
     assert any("head dim 64" in r for r in reasons) and any("float32" in r for r in reasons)
@@ -258,7 +258,7 @@ def test_reasons_for_sage_support(monkeypatch, fake):
     assert "int8 SAGE needs SM in [100]" in route.not_supported_reasons(_call(quant=int8))[0]
     assert route.not_supported_reasons(_call(quant=QuantConfig("fp8_e4m3"))) == []
     old_build = SimpleNamespace(prefill=SimpleNamespace(trtllm_ragged_attention_deepseek=lambda query, key: None))
-    monkeypatch.setattr(_flashinfer, "flashinfer_or_none", lambda: old_build)
+    monkeypatch.setattr(flashinfer_support, "flashinfer_or_none", lambda: old_build)
     assert "no SAGE kernels" in route.not_supported_reasons(_call(quant=QuantConfig("fp8_e4m3")))[0]
     assert route.not_supported_reasons(_call(skip=1.0)) == []
     del fi

@@ -29,11 +29,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..locality import local_attention
+from ..measure import rel_l1
 from .cli import add_common_args, names
-from .e2e import DEFAULT_THRESHOLD, SETTINGS, _sdpa_context, processor_summary
-from .models import MODELS, build_model, local_attention, model_inputs
+from .e2e import DEFAULT_THRESHOLD, SETTINGS, stock_sdpa_context, processor_summary
+from .models import MODELS, build_model, model_inputs
 from .report import environment, format_cp_markdown
-from .timing import rel_l1, time_fn
+from .timing import time_fn
 
 __all__ = ["run_cp", "main"]
 
@@ -81,7 +83,7 @@ def run_cp(args: argparse.Namespace) -> dict[str, Any]:
         model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=ulysses, ring_degree=args.ring))
 
     def forward() -> torch.Tensor:
-        with torch.no_grad(), _sdpa_context(args.stock_sdpa, device):
+        with torch.no_grad(), stock_sdpa_context(args.stock_sdpa, device):
             return model(**inputs)[0]
 
     rows: list[dict[str, Any]] = []

@@ -2,7 +2,7 @@
 
 ``python -m diffusers_trtllm.bench e2e --help``. Per model (built once from its
 published config with random weights, see :mod:`.models`), per weights kind
-(``random``; ``structured``: local self-attention from ``models.local_attention``)
+(``random``; ``structured``: local self-attention from ``locality.local_attention``)
 and per mode (eager; ``--compile``): the stock forward (Diffusers with cuDNN SDPA)
 is run and timed first, then every processor setting is installed on the same
 model, run once for its output and routes, and timed; the stock forward is timed
@@ -31,12 +31,14 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from ..integration.roles import guess_role
+from ..locality import local_attention
+from ..measure import rel_l1, skipped_fraction, threshold_for, tile_criticals
+from ..serving.roles import guess_role
 from .cli import add_common_args, floats, names
 from .inputs import spy_sdpa
-from .models import MODELS, ModelSpec, build_model, local_attention, model_inputs
+from .models import MODELS, ModelSpec, build_model, model_inputs
 from .suite import heads_subset, reference_tile, warm_up
-from .timing import rel_l1, skipped_fraction, threshold_for, tile_criticals, time_fn
+from .timing import time_fn
 
 __all__ = ["ProcessorSetting", "SETTINGS", "E2EOptions", "E2ERow", "ModelResult", "run_e2e", "probe", "format_probe",
            "ProcessorSummary", "processor_summary", "main"]
@@ -99,7 +101,7 @@ class E2EOptions:
     models: tuple[str, ...] = tuple(MODELS)
     configs: tuple[str, ...] = tuple(SETTINGS)
     weights: tuple[str, ...] = WEIGHTS
-    #: Structured weights' contrast (nats, ``models.local_attention``); None: each model's default.
+    #: Structured weights' contrast (nats, ``locality.local_attention``); None: each model's default.
     contrast: float | None = None
     threshold: float = DEFAULT_THRESHOLD
     #: When set, the skip threshold is the one at which the reference skips this fraction (per model).
@@ -256,7 +258,7 @@ def calibration_for(crit: torch.Tensor, kv_len: int, target: float) -> tuple[dic
     A stand-in for ``calibrate()``, which needs a pipeline: the same curve ``factor = a * exp(b * s)``,
     fitted to one forward instead of a run over prompts and steps.
     """
-    from ..calibration import sparse_attention_config
+    from ..calibration.checkpoint import sparse_attention_config
 
     low, high = target - 0.1, target + 0.1
     lam_low, lam_high = threshold_for(crit, low), threshold_for(crit, high)
@@ -268,7 +270,7 @@ def calibration_for(crit: torch.Tensor, kv_len: int, target: float) -> tuple[dic
     return config, a * math.exp(b * target) / kv_len
 
 
-def _sdpa_context(choice: str, device: torch.device) -> contextlib.AbstractContextManager:
+def stock_sdpa_context(choice: str, device: torch.device) -> contextlib.AbstractContextManager:
     """cuDNN first for torch SDPA (others kept as fallback) on CUDA; nothing elsewhere or for ``default``."""
     if device.type != "cuda" or choice == "default":
         return contextlib.nullcontext()
@@ -307,7 +309,7 @@ class _ModelBench:
         self.processors: dict[tuple[str, float], Any] = {}
 
     def forward(self) -> torch.Tensor:
-        with torch.no_grad(), _sdpa_context(self.opts.stock_sdpa, self.device):
+        with torch.no_grad(), stock_sdpa_context(self.opts.stock_sdpa, self.device):
             return self.runner(**self.inputs)[0]
 
     def time(self) -> tuple[float, int]:
@@ -578,7 +580,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"processor settings, from {', '.join(SETTINGS)} (stock always runs)")
     p.add_argument("--weights", type=names, default=WEIGHTS, help="random and/or structured (local self-attention)")
     p.add_argument("--contrast", type=floats, default=None,
-                   help="structured weights' score contrast in nats (models.local_attention; default: per model); "
+                   help="structured weights' score contrast in nats (locality.local_attention; default: per model); "
                         f"a list with --probe (default {','.join(f'{c:g}' for c in PROBE_CONTRASTS)})")
     p.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD, help="skip-softmax threshold of the skip settings")
     p.add_argument("--target-skip", type=float, default=None,

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ..kernels import _flashinfer
+from ..kernels import flashinfer_support
 
 __all__ = ["BASELINE_CUDA", "BASELINE_CPU", "external_impls"]
 
@@ -37,7 +37,7 @@ def _torch_sdpa(q, k, v, scale, backend: SDPBackend | None) -> Prepared:
 
 
 def _fa3(q, k, v, scale) -> Prepared:
-    fi = _flashinfer.flashinfer_or_none()
+    fi = flashinfer_support.flashinfer_or_none()
     return lambda: torch.stack(
         [fi.single_prefill_with_kv_cache(q[b], k[b], v[b], sm_scale=scale, backend="fa3") for b in range(q.shape[0])]
     )
@@ -50,7 +50,7 @@ def _per_head_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _fa3_fp8(q, k, v, scale) -> Prepared:
-    fi = _flashinfer.flashinfer_or_none()
+    fi = flashinfer_support.flashinfer_or_none()
     (q8, sq), (k8, sk), (v8, sv) = (_per_head_fp8(x) for x in (q, k, v))
     out_dtype = q.dtype
     return lambda: torch.stack(
@@ -73,7 +73,7 @@ def external_impls(device: torch.device, dtype: torch.dtype) -> dict[str, tuple[
     """Name -> (factory(q, k, v, scale), reason it cannot run here or None). The baseline comes first."""
     if device.type != "cuda":
         return {BASELINE_CPU: (lambda q, k, v, s: _torch_sdpa(q, k, v, s, None), None)}
-    fi_missing = _flashinfer.flashinfer_missing_reason()
+    fi_missing = flashinfer_support.flashinfer_missing_reason()
     sm90 = torch.cuda.get_device_capability(device) == (9, 0)
     fa3_reason = fi_missing or (None if sm90 else "FA3 kernels need SM90")
     try:

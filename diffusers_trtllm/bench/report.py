@@ -12,14 +12,11 @@ import subprocess
 import sys
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from .suite import Settings, ShapeResult
-
-if TYPE_CHECKING:
-    from .e2e import E2EOptions, E2ERow, ModelResult
 
 __all__ = ["environment", "write_json", "write_markdown", "write_plot", "write_e2e_json", "write_e2e_markdown", "format_cp_markdown"]
 
@@ -81,8 +78,9 @@ def write_json(path: Path, env: dict[str, Any], settings: Settings, results: lis
     _dump(path, {"environment": env, "settings": asdict(settings), "shapes": [asdict(r) for r in results]})
 
 
-def write_e2e_json(path: Path, env: dict[str, Any], opts: "E2EOptions", models: list["ModelResult"],
-                   rows: list["E2ERow"]) -> None:
+def write_e2e_json(path: Path, env: dict[str, Any], opts: Any, models: list[Any],
+                   rows: list[Any]) -> None:
+    """``e2e``'s options, models and rows (dataclasses) as JSON; typed loosely so this module needs no ``e2e``."""
     _dump(path, {"environment": env, "settings": asdict(opts), "models": [asdict(m) for m in models],
                  "rows": [asdict(r) for r in rows]})
 
@@ -140,8 +138,8 @@ def write_markdown(path: Path, env: dict[str, Any], settings: Settings, results:
     path.write_text("\n".join(lines))
 
 
-def write_e2e_markdown(path: Path, env: dict[str, Any], opts: "E2EOptions", models: list["ModelResult"],
-                       rows: list["E2ERow"]) -> None:
+def write_e2e_markdown(path: Path, env: dict[str, Any], opts: Any, models: list[Any],
+                       rows: list[Any]) -> None:
     lines = _header("End-to-end benchmark: one transformer forward", env) + [
         f"Published configs (variants named per model) with random initial weights, batch 1, {opts.dtype}, normalized timestep t={opts.t} (skip-softmax on: "
         "disabled_until_timestep 0). `ms`: median of "
@@ -158,7 +156,7 @@ def write_e2e_markdown(path: Path, env: dict[str, Any], opts: "E2EOptions", mode
         "`skip-calibrated`: skip-softmax by `target_sparsity` under the default policy, with a curve "
         "`factor = a * exp(b * s)` fitted to the reference's tiles at the target +- 0.1 (bench.e2e.calibration_for; "
         "its threshold at the target is the row's). "
-        "Structured weights: local self-attention (bench.models.local_attention, contrast per model below).",
+        "Structured weights: local self-attention (locality.local_attention, contrast per model below).",
         "",
     ]
     for m in models:

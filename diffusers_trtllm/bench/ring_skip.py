@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels.reference import reference_attention
+from ..measure import rel_l1
 from .cli import floats
 from .inputs import Shape, structured_qkv
-from .timing import rel_l1
 
 __all__ = ["RingResult", "merge_by_lse", "ring_reference", "measure"]
 

@@ -20,14 +20,15 @@ from typing import Any, Callable
 
 import torch
 
-from .. import routes as routes_mod
 from ..config import QuantConfig
 from ..kernels.reference import reference_attention
 from ..layout import PackedLayout
-from ..routes import AttentionCall, Route, select_route
+from ..measure import cosine, rel_l1, skipped_fraction, threshold_for, tile_criticals
+from ..routing import AttentionCall, Route, registered_routes, select_route
+from ..routing.registry import ROUTE_MODULES
 from .external import BASELINE_CPU, BASELINE_CUDA, external_impls
 from .inputs import Shape, structured_qkv
-from .timing import Timing, cosine, rel_l1, skipped_fraction, threshold_for, tile_criticals, time_fn
+from .timing import Timing, time_fn
 
 __all__ = ["Settings", "Row", "run_suite", "available_routes", "reference_tile", "heads_subset", "warm_up", "SAGE_DTYPES"]
 
@@ -102,18 +103,18 @@ class ShapeResult:
     not_run: dict[str, str] = field(default_factory=dict)
 
 
-def available_routes() -> tuple[list[str], str | None]:
-    """Registered route names; a route module that fails to import is reported, not fatal."""
+def available_routes() -> tuple[dict[str, Route], str | None]:
+    """The registered routes; a route module that fails to import is reported, not fatal."""
     try:
-        return routes_mod.route_names(), None
+        return registered_routes(), None
     except Exception as err:  # one broken optional module must not stop the benchmark
         failed = []
-        for module in routes_mod.ROUTE_MODULES:
+        for module in ROUTE_MODULES:
             try:
                 importlib.import_module(f"diffusers_trtllm.kernels.{module}")
             except Exception as mod_err:
                 failed.append(f"{module}: {type(mod_err).__name__}: {mod_err}")
-        return list(routes_mod._ORDER), "; ".join(failed) or str(err)
+        return {}, "; ".join(failed) or str(err)
 
 
 def reference_tile(head_dim: int, override: tuple[int, int] | None = None) -> tuple[int, int]:
@@ -294,12 +295,11 @@ def run_shape(
         del fn
 
     # Our routes, generically: every registered route on every configuration it can serve.
-    names, load_error = available_routes()
+    routes, load_error = available_routes()
     if load_error:
         result.not_run["route modules"] = load_error
     on_gpu = device.type == "cuda"
-    for name in names:
-        route: Route = routes_mod._ROUTES[name]
+    for name, route in routes.items():
         if not _wanted(name, settings, baseline_name) or (on_gpu and not route.auto and name not in settings.only):
             continue
         for cfg in configs:

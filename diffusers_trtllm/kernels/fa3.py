@@ -22,9 +22,8 @@ import math
 import torch
 
 from ..layout import PackedLayout
-from ..routes import AttentionCall, AttentionResult, Capabilities, Route, register_route
-from . import _flashinfer
-from ._dense_order import MeasuredDenseOrder
+from ..routing.registry import AttentionCall, AttentionResult, Capabilities, Route, register_route
+from . import flashinfer_support
 
 __all__ = ["Fa3Route"]
 
@@ -51,9 +50,9 @@ def _ragged_wrapper(call: AttentionCall) -> Any:
     if hit is not None and hit[0] is layout:
         _plans.move_to_end(key)
         return hit[1]
-    fi = _flashinfer.flashinfer_or_none()
+    fi = flashinfer_support.flashinfer_or_none()
     wrapper = fi.prefill.BatchPrefillWithRaggedKVCacheWrapper(
-        _flashinfer.flashinfer_workspace(call.q.device), kv_layout="NHD", backend="fa3"
+        flashinfer_support.flashinfer_workspace(call.q.device), kv_layout="NHD", backend="fa3"
     )
     host = {  # host copies of cu_seqlens from the host-side lengths: planning needs no device sync
         name: torch.tensor([0, *accumulate(lens)], dtype=torch.int32)
@@ -77,25 +76,27 @@ def _ragged_wrapper(call: AttentionCall) -> Any:
     return wrapper
 
 
-class Fa3Route(MeasuredDenseOrder, Route):
+class Fa3Route(Route):
     name = "fa3"
     caps = Capabilities(sms=frozenset({90}), head_dims=frozenset({64, 128, 256}), lse=True)
 
     def extra_reasons(self, call: AttentionCall) -> list[str]:
-        missing = _flashinfer.flashinfer_missing_reason()
+        missing = flashinfer_support.flashinfer_missing_reason()
         if missing:
             return [missing]
         if call.v.shape[-1] != call.q.shape[-1]:
             return [f"value head dim {call.v.shape[-1]} differs from query head dim {call.q.shape[-1]}"]
-        jit = _flashinfer.jit_missing_reason(module_uri(call))
+        if call.q.dtype not in self.caps.dtypes:
+            return []  # no module to build for this dtype (the capability table says so)
+        jit = flashinfer_support.jit_missing_reason(module_uri(call))
         return [jit] if jit else []
 
     def run(self, call: AttentionCall) -> AttentionResult:
-        _flashinfer.announce_jit(module_uri(call), seconds=90)
+        flashinfer_support.announce_jit(module_uri(call), seconds=90)
         q, k, v = call.q.contiguous(), call.k.contiguous(), call.v.contiguous()
         lse_arg = {"return_lse": True} if call.return_lse else {}
         if call.layout.num_seqs == 1:
-            fi = _flashinfer.flashinfer_or_none()
+            fi = flashinfer_support.flashinfer_or_none()
             res = fi.single_prefill_with_kv_cache(
                 q, k, v, causal=False, kv_layout="NHD", sm_scale=call.softmax_scale, backend="fa3", **lse_arg
             )

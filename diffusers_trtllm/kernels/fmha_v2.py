@@ -54,9 +54,8 @@ import math
 
 import torch
 
-from ..routes import AttentionCall, AttentionResult, Capabilities, Route, device_sm, register_route
-from . import _flashinfer
-from ._dense_order import PREFERRED, MeasuredDenseOrder
+from ..routing.registry import AttentionCall, AttentionResult, Capabilities, Route, device_sm, register_route
+from . import flashinfer_support
 
 __all__ = ["FmhaV2Route", "SKIP_SMS", "kv_step", "Q_STEP", "prefill", "fmha_v2_reasons", "softmax_stats_to_lse"]
 
@@ -84,9 +83,10 @@ def module_uri(dtype: torch.dtype, layout: str = "SEPARATE_Q_K_V") -> str:
     return f"trtllm_fmha_v2_{layout.lower()}_{name}_{name}"
 
 
-def fmha_v2_reasons(call: AttentionCall, uri: str) -> list[str]:
-    """Why FlashInfer's fmha-v2 (JIT module ``uri``) cannot serve ``call``, beyond the capability table."""
-    missing = _flashinfer.flashinfer_missing_reason()
+def fmha_v2_reasons(call: AttentionCall, uri: str | None) -> list[str]:
+    """Why FlashInfer's fmha-v2 (JIT module ``uri``; None: no module for this dtype, which the capability
+    table reports) cannot serve ``call``, beyond the capability table."""
+    missing = flashinfer_support.flashinfer_missing_reason()
     if missing:
         return [missing]
     reasons = []
@@ -103,13 +103,13 @@ def fmha_v2_reasons(call: AttentionCall, uri: str) -> list[str]:
         reasons.append(f"FlashInfer builds fmha-v2 skip-softmax kernels for SM90 only, this GPU is sm_{sm}")
     if call.return_lse and sm != 90:
         reasons.append(f"fmha-v2's log-sum-exp is read from the SM90 kernels' softmax stats, this GPU is sm_{sm}")
-    jit = _flashinfer.jit_missing_reason(uri)
+    jit = flashinfer_support.jit_missing_reason(uri) if uri is not None else None
     if jit:
         reasons.append(jit)
     return reasons
 
 
-class FmhaV2Route(MeasuredDenseOrder, Route):
+class FmhaV2Route(Route):
     name = "fmha-v2"
     caps = Capabilities(
         sms=frozenset({90, 120}),
@@ -120,12 +120,8 @@ class FmhaV2Route(MeasuredDenseOrder, Route):
     )
 
     def extra_reasons(self, call: AttentionCall) -> list[str]:
-        return fmha_v2_reasons(call, module_uri(call.q.dtype, input_layout(call)))
-
-    def priority(self, call: AttentionCall) -> float:
-        if call.skip_factor is not None and device_sm(call.q.device) in SKIP_SMS:
-            return PREFERRED  # the fastest skip-softmax kernel on Hopper
-        return super().priority(call)
+        uri = module_uri(call.q.dtype, input_layout(call)) if call.q.dtype in _DTYPE_NAMES else None
+        return fmha_v2_reasons(call, uri)
 
     def run(self, call: AttentionCall) -> AttentionResult:
         layout = input_layout(call)
@@ -152,14 +148,14 @@ def prefill(
     Returns the output and, when ``call.return_lse``, each row's ``[q_tokens, heads]`` log-sum-exp of the
     logits ``bmm1_scale * q . k`` (else None).
     """
-    fi = _flashinfer.flashinfer_or_none()
+    fi = flashinfer_support.flashinfer_or_none()
     layout = call.layout
-    _flashinfer.announce_jit(uri)
+    flashinfer_support.announce_jit(uri)
     lse_arg = {"save_softmax_stats": True} if call.return_lse else {}
     res = fi.prefill.trtllm_fmha_v2_prefill(
         qkv,
         input_layout,
-        _flashinfer.flashinfer_workspace(call.q.device),
+        flashinfer_support.flashinfer_workspace(call.q.device),
         seq_lens=layout.seq_lens_kv,
         max_q_len=layout.max_seqlen_q,
         max_kv_len=layout.max_seqlen_kv,

@@ -8,8 +8,8 @@ its dequantization as two host floats, so Q and K get one scale per tensor
 the kernel) instead of SAGE's per-block scales: ``q_block_size`` and
 ``k_block_size`` do not apply here. fp8's three mantissa bits, not the scale
 granularity, set the error (docs/design.md, "fp8 on FMHAv2", has the measurement);
-``backend="auto"`` prefers this route for fp8 SAGE on SM90 because it is the fastest
-and, measured there, as accurate as the per-block emulation. The skip rule is fmha-v2's;
+``backend="auto"`` tries this route first for fp8 SAGE on SM90 (``routing.order``) because it is
+the fastest and, measured there, as accurate as the per-block emulation. The skip rule is fmha-v2's;
 its tiles are 64 query rows x ``kv_step(head_dim)`` keys (FlashInfer 0.7.4's e4m3 kernels
 step 256 keys up to head dim 128: ``jit/attention/fmha_v2/fmha_library.py``,
 ``generate_kernel_spec``).
@@ -24,9 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from ..routes import AttentionCall, AttentionResult, Capabilities, Route, device_sm, register_route
+from ..routing.registry import AttentionCall, AttentionResult, Capabilities, Route, register_route
 from . import fmha_v2
-from ._dense_order import PREFERRED
 from .fp8_tensor_quant import quantize_fp8_per_tensor, restore_lse, restore_output
 
 __all__ = ["FmhaV2Fp8Route", "kv_step", "module_uri"]
@@ -57,12 +56,8 @@ class FmhaV2Fp8Route(Route):
 
     def extra_reasons(self, call: AttentionCall) -> list[str]:
         reasons = [] if call.quant is not None else ["serves fp8 SAGE calls only (quant dtype_qk='fp8_e4m3')"]
-        return reasons + fmha_v2.fmha_v2_reasons(call, module_uri(call.q.dtype))
-
-    def priority(self, call: AttentionCall) -> float:
-        if call.quant is not None and device_sm(call.q.device) == 90:
-            return PREFERRED  # the fastest fp8 kernel on Hopper, skip-softmax included
-        return super().priority(call)
+        uri = module_uri(call.q.dtype) if call.q.dtype in _OUT_NAMES else None
+        return reasons + fmha_v2.fmha_v2_reasons(call, uri)
 
     def run(self, call: AttentionCall) -> AttentionResult:
         quant = quantize_fp8_per_tensor(call.q, call.k, call.v)

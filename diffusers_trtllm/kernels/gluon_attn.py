@@ -33,8 +33,7 @@ import torch
 
 from ..config import QuantConfig
 from ..layout import PackedLayout
-from ..routes import AttentionCall, Capabilities, device_sm, register_route
-from ._dense_order import PREFERRED
+from ..routing.registry import AttentionCall, Capabilities, device_sm, register_route
 from .triton_attn import LOG2E, TritonAttentionOutput, TritonRoute, check_heads, kernel_operands, rows_view, tile_output
 
 __all__ = ["GluonRoute", "GluonConfig", "gluon_attention", "gluon_missing"]
@@ -555,11 +554,6 @@ class GluonRoute(TritonRoute):
         skip_softmax=True,
         sage_dtypes=frozenset({"int8"}),
     )
-
-    def priority(self, call: AttentionCall) -> float:
-        if call.skip_factor is not None and call.quant is None:
-            return PREFERRED - 1  # ahead of fmha-v2, the other Hopper skip-softmax kernel
-        return super().priority(call) + 0.1  # just behind the triton kernel, which is faster at the rest
 
     def extra_reasons(self, call: AttentionCall) -> list[str]:
         reasons = []

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import QuantConfig
-from ..routes import AttentionCall, AttentionResult, Capabilities, Route, register_route
+from ..routing.registry import AttentionCall, AttentionResult, Capabilities, Route, register_route
 
 __all__ = ["ReferenceResult", "ReferenceRoute", "reference_attention", "sage_quantize", "SageTensors", "P_FP8_SCALE"]
 

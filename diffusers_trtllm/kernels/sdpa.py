@@ -8,8 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..routes import AttentionCall, AttentionResult, Capabilities, Route, register_route
-from ._dense_order import MeasuredDenseOrder
+from ..routing.registry import AttentionCall, AttentionResult, Capabilities, Route, register_route
 
 
 def pad_index(lens: tuple[int, ...], max_len: int, device: torch.device) -> torch.Tensor:
@@ -18,7 +17,7 @@ def pad_index(lens: tuple[int, ...], max_len: int, device: torch.device) -> torc
     return torch.cat(idx)
 
 
-class SdpaRoute(MeasuredDenseOrder, Route):
+class SdpaRoute(Route):
     name = "sdpa"
     caps = Capabilities(
         device_types=frozenset({"cuda", "cpu"}),

@@ -33,7 +33,7 @@ import torch
 
 from ..config import QuantConfig
 from ..layout import PackedLayout
-from ..routes import AttentionCall, AttentionResult, Capabilities, Route, device_sm, get_route, register_route
+from ..routing.registry import AttentionCall, AttentionResult, Capabilities, Route, device_sm, register_route
 
 __all__ = ["TritonRoute", "TritonAttentionOutput", "triton_attention", "KernelConfig"]
 
@@ -361,13 +361,6 @@ class TritonRoute(Route):
         if call.quant is not None and call.quant.dtype_qk == "fp8_e4m3" and sm is not None and sm < 89:
             reasons.append(f"fp8 e4m3 QK needs SM >= 89 (this GPU is sm_{sm}); use quant dtype_qk='int8'")
         return reasons
-
-    def priority(self, call: AttentionCall) -> float:
-        """Skip-softmax and SAGE in registration order; dense work after ``sdpa`` (cuDNN / FlashAttention-2),
-        which ran faster than this kernel's dense path on the H200 (0.70-0.90x cuDNN there)."""
-        if call.skip_factor is None and call.quant is None:
-            return get_route("sdpa").priority(call) + 0.5
-        return super().priority(call)
 
     #: The host function ``run`` calls (a subclass with the same interface swaps it).
     attention = staticmethod(triton_attention)

@@ -14,8 +14,8 @@ from typing import Any, Callable
 
 import torch
 
-from ..routes import AttentionCall, AttentionResult, Capabilities, Route, device_sm, register_route
-from . import _flashinfer
+from ..routing.registry import AttentionCall, AttentionResult, Capabilities, Route, device_sm, register_route
+from . import flashinfer_support
 
 #: SM numbers of the trtllm-gen cubins shipped by FlashInfer.
 BLACKWELL_SMS = frozenset({100, 103, 107})
@@ -24,11 +24,11 @@ INT8_SAGE_SMS = frozenset({100})
 
 
 def _attention_fn() -> Callable[..., torch.Tensor]:
-    return _flashinfer.flashinfer_or_none().prefill.trtllm_ragged_attention_deepseek
+    return flashinfer_support.flashinfer_or_none().prefill.trtllm_ragged_attention_deepseek
 
 
 def _quantize_fn() -> Callable[..., tuple[torch.Tensor, ...]] | None:
-    return getattr(_flashinfer.flashinfer_or_none(), "trtllm_sage_attention_quantize", None)
+    return getattr(flashinfer_support.flashinfer_or_none(), "trtllm_sage_attention_quantize", None)
 
 
 @functools.lru_cache(maxsize=8)  # route selection asks on every call; the signature never changes
@@ -64,7 +64,7 @@ class TrtllmGenRoute(Route):
     )
 
     def extra_reasons(self, call: AttentionCall) -> list[str]:
-        missing = _flashinfer.flashinfer_missing_reason()
+        missing = flashinfer_support.flashinfer_missing_reason()
         if missing:
             return [missing]
         reasons = []
@@ -102,7 +102,7 @@ class TrtllmGenRoute(Route):
             query=q,
             key=k,
             value=v,
-            workspace_buffer=_flashinfer.flashinfer_workspace(q.device),
+            workspace_buffer=flashinfer_support.flashinfer_workspace(q.device),
             seq_lens=layout.seq_lens_kv,
             max_q_len=layout.max_seqlen_q,
             max_kv_len=layout.max_seqlen_kv,

@@ -9,9 +9,12 @@ processor where the model has ``set_attn_processor``::
 
 Every attention module keeps its family's stock processor (projections, QK norm, RoPE
 stay Diffusers'); only the core attention call is routed to our kernels
-(:mod:`diffusers_trtllm.integration`). Per-layer state lives on the module it serves
-(:mod:`diffusers_trtllm.layer`); statistics in :mod:`diffusers_trtllm.stats`. This
-module holds the settings and resolves them per role and layer. See docs/design.md.
+(:mod:`diffusers_trtllm.serving.intercept`). Per-layer state lives on the module it serves
+(:mod:`diffusers_trtllm.serving.layer`); statistics in :mod:`diffusers_trtllm.stats`. This
+module holds the settings, resolves them per role and layer, and gives each layer what it
+needs through a small public surface (``settings_for``, ``call_observer``,
+``fallback_timestep``, ``step_callback_attached``, ``layouts``, ``adopt`` / ``release``).
+See docs/design.md.
 """
 
 from __future__ import annotations
@@ -24,15 +27,16 @@ from typing import Any, Mapping
 
 import torch
 
-from . import stats
-from .attention import check_route_choice
-from .config import QuantConfig, SkipSoftmaxConfig, check_mapping, unknown_keys_message
-from .integration import installation as _installation, intercept as _intercept
-from .integration.roles import ROLES
-from .layer import Calibration, LayerState
-from .layout import LayoutCache
-from .policy import POLICIES
-from .stats import StepRecord
+from .. import stats
+from ..attention import check_route_choice
+from ..config import QuantConfig, SkipSoftmaxConfig, check_mapping, unknown_keys_message
+from ..layout import LayoutCache
+from ..routing.policy import POLICIES
+from ..stats import StepRecord
+from . import intercept as _intercept
+from .layer import Calibration, LayerState, attach_layer, layer_of
+from .roles import ROLES
+from .setters import patch_diffusers
 
 __all__ = ["TrtllmAttnProcessor", "LayerState", "StepRecord", "Calibration", "Settings", "ROLES"]
 
@@ -53,7 +57,7 @@ class Settings:
     backend: str
     fallback: str | None
     mode: str = "trtllm"  # or "dense" / "stock"
-    #: ``policy.apply_policy``'s mode: "auto" drops what cannot pay off on a call, "always" honours it.
+    #: ``routing.policy.apply_policy``'s mode: "auto" drops what cannot pay off on a call, "always" honours it.
     policy: str = "auto"
     #: Features ("skip", "sage") the role's override set explicitly: honoured on every call.
     honour: frozenset[str] = frozenset()
@@ -100,12 +104,12 @@ class TrtllmAttnProcessor:
     "refiner": "dense"}``; ``"stock"`` leaves a role on the family's own attention.
     ``collect_stats`` asks routes for skipped-tile counts (a debug cost on GPU kernels).
     ``policy="auto"`` runs a call dense where its skip/SAGE request cannot pay off (measured
-    rules, :mod:`diffusers_trtllm.policy`); what a role override sets explicitly (a skip control,
+    rules, :mod:`diffusers_trtllm.routing.policy`); what a role override sets explicitly (a skip control,
     ``quant``), or everything under ``policy="always"``, is honoured on every call.
     """
 
     #: Called as ``observer(layer, t, layout, query, key, scale)`` before each served call (``calibrate``'s pass).
-    _call_observer: Any = None
+    call_observer: Any = None
 
     def __init__(
         self,
@@ -146,7 +150,9 @@ class TrtllmAttnProcessor:
         #: What Diffusers sets on "the" processor for the stock path (``_attention_backend``,
         #: ``_parallel_config``): forwarded to every layer's stock processor, now and on binding.
         self._stock_attrs: dict[str, Any] = {}
-        _installation.patch_diffusers()
+        # Diffusers' setters must hand ours the processor they replace from the first
+        # ``set_attn_processor(proc)`` on, which no hook of ours sees (serving.setters).
+        patch_diffusers(TrtllmAttnProcessor)
 
     def _init_runtime(self) -> None:
         self._layers: "weakref.WeakSet[LayerState]" = weakref.WeakSet()
@@ -160,8 +166,41 @@ class TrtllmAttnProcessor:
         self.__dict__.update(state)
         self._init_runtime()
 
-    def _adopt(self, state: LayerState) -> None:
+    # ---- what a layer asks of its processor ------------------------------------------------------
+    def adopt(self, state: LayerState) -> None:
+        """Serve ``state`` (a layer restored from a copy or a pickle)."""
         self._layers.add(state)
+
+    def release(self, state: LayerState) -> None:
+        """Stop serving ``state`` (its module was uninstalled or took another processor)."""
+        self._layers.discard(state)
+
+    @property
+    def layouts(self) -> LayoutCache:
+        """The layout cache every layer shares (one mask packing per transformer forward)."""
+        return self._layouts
+
+    @property
+    def fallback_timestep(self) -> float | None:
+        """The ``t`` published with ``set_timestep``, for layers whose tracker knows none."""
+        return self._t_value
+
+    @property
+    def step_callback_attached(self) -> bool:
+        """Whether a ``DenoiseStepCallback`` publishes ``t`` (then the first step runs dense, said once)."""
+        return self._has_callback
+
+    def attach_step_callback(self) -> None:
+        """A ``DenoiseStepCallback`` was made for this processor."""
+        self._has_callback = True
+
+    def role_settings(self, role: str) -> Settings:
+        """What ``role`` asks for, before any layer's calibration."""
+        return self._role_settings[role]
+
+    def explicit_settings(self, role: str) -> frozenset[str]:
+        """The controls the user set for ``role`` (not left at their defaults): a checkpoint fills only the rest."""
+        return frozenset(self._explicit[role])
 
     @property
     def skip(self) -> SkipSoftmaxConfig:
@@ -197,7 +236,7 @@ class TrtllmAttnProcessor:
 
     # ---- the processor call ---------------------------------------------------------------
     def __call__(self, attn: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        state = getattr(attn, "_trtllm_layer", None)
+        state = layer_of(attn)
         if state is None or state.processor is not self:
             state = self.bind(attn)
         if state.mode is None:
@@ -212,14 +251,14 @@ class TrtllmAttnProcessor:
     # ---- binding ----------------------------------------------------------------------
     def bind(self, module: torch.nn.Module, replaced: Any = None, name: str | None = None) -> LayerState:
         """Attach per-layer state to ``module`` (done on install; lazily otherwise)."""
-        state = module.__dict__.get("_trtllm_layer")
+        state = layer_of(module)
         if isinstance(replaced, TrtllmAttnProcessor):
             replaced = None
         if state is None:
             state = LayerState(self, name=name)
-            module.__dict__["_trtllm_layer"] = state
+            attach_layer(module, state)
         elif state.processor is not self:
-            state.processor._layers.discard(state)
+            state.processor.release(state)
             state.stats.clear()
             state.processor = self
         if name is not None:
@@ -247,7 +286,8 @@ class TrtllmAttnProcessor:
         """States of the layers this processor serves, in binding order."""
         return sorted(self._layers, key=lambda s: int(s.key))
 
-    def _settings_for(self, state: LayerState) -> Settings:
+    def settings_for(self, state: LayerState) -> Settings:
+        """What ``state``'s layer runs: its role's settings, with its calibration (or ``ignore``) applied."""
         settings = self._role_settings[state.role]
         if settings.mode != "trtllm":
             return settings
@@ -262,7 +302,7 @@ class TrtllmAttnProcessor:
                                          disabled_until_timestep=skip.disabled_until_timestep)
             if skip.target_sparsity is not None:
                 skip = skip.with_calibration(cal.a, cal.b)
-                if "disabled_until_timestep" not in self._explicit[state.role] and cal.disabled_until_timestep:
+                if "disabled_until_timestep" not in self.explicit_settings(state.role) and cal.disabled_until_timestep:
                     skip = replace(skip, disabled_until_timestep=cal.disabled_until_timestep)  # an explicit one wins
         return replace(settings, skip=skip)
 

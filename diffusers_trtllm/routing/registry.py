@@ -1,33 +1,35 @@
-"""Route selection as data: each kernel route lists why it cannot serve a call.
+"""What routes are: the call at the kernel boundary, its result, capabilities, and the registry of routes.
 
-As in xformers' ``fmha`` dispatch, ``backend="auto"`` takes the first route (in
-priority order) with no reasons; an explicit backend that cannot serve the call,
-or a call no route can serve, raises ``NoRouteError`` listing every route's reasons.
+Each kernel route lists why it cannot serve a call (``Route.not_supported_reasons``: its
+capability table, then its own checks); where it ranks under ``backend="auto"`` is
+``routing.order``'s business, never the route's.
 """
 
 from __future__ import annotations
 
 import functools
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
-from .config import QuantConfig
-from .layout import PackedLayout
+from ..config import QuantConfig
+from ..layout import PackedLayout
 
 __all__ = [
     "AttentionCall",
     "AttentionResult",
     "Capabilities",
-    "NoRouteError",
     "Route",
     "register_route",
     "get_route",
     "route_names",
-    "select_route",
+    "registered_routes",
+    "load_routes",
+    "capability_reasons",
     "device_sm",
+    "ROUTE_MODULES",
 ]
 
 
@@ -130,24 +132,18 @@ class Route(ABC):
     auto: ClassVar[bool] = True
 
     def not_supported_reasons(self, call: AttentionCall) -> list[str]:
-        reasons = _capability_reasons(self.caps, call)
-        if not reasons:
-            reasons += self.extra_reasons(call)
-        return reasons
+        """Every reason this route cannot serve ``call``: the capability table's, then its own."""
+        return capability_reasons(self.caps, call) + self.extra_reasons(call)
 
     def extra_reasons(self, call: AttentionCall) -> list[str]:
-        """Reasons beyond the capability table (a missing package, a missing compiler)."""
+        """Reasons beyond the capability table (a missing package, a missing compiler); asked for every call."""
         return []
-
-    def priority(self, call: AttentionCall) -> float:
-        """Lower runs first under ``backend="auto"``; default is registration order."""
-        return float(_ORDER.index(self.name))
 
     @abstractmethod
     def run(self, call: AttentionCall) -> AttentionResult: ...
 
 
-def _capability_reasons(caps: Capabilities, call: AttentionCall) -> list[str]:
+def capability_reasons(caps: Capabilities, call: AttentionCall) -> list[str]:
     reasons: list[str] = []
     device = call.q.device
     if device.type not in caps.device_types:
@@ -178,19 +174,19 @@ def _capability_reasons(caps: Capabilities, call: AttentionCall) -> list[str]:
 
 
 _ROUTES: dict[str, Route] = {}
-_ORDER: list[str] = []
+
+#: The built-in route modules (under ``kernels/``), in the order ``route_names`` lists them.
+ROUTE_MODULES = ("trtllm_gen", "fa3", "fmha_v2", "fmha_v2_fp8", "triton_attn", "sdpa", "gluon_attn", "reference")
 
 
 def register_route(route: Route) -> Route:
-    """Add a route; earlier registrations run first under ``auto`` unless ``priority`` says otherwise."""
+    """Add a route under its name (``routing.order.ranked_routes`` says where ``auto`` tries it)."""
     _ROUTES[route.name] = route
-    if route.name not in _ORDER:
-        _ORDER.append(route.name)
     return route
 
 
 def get_route(name: str) -> Route:
-    _load_builtin_routes()
+    load_routes()
     try:
         return _ROUTES[name]
     except KeyError:
@@ -198,66 +194,29 @@ def get_route(name: str) -> Route:
 
 
 def route_names() -> list[str]:
-    _load_builtin_routes()
-    return list(_ORDER)
+    """Every registered route: the built-in ones in ``ROUTE_MODULES`` order, then any other."""
+    return list(registered_routes())
 
 
-class NoRouteError(ValueError):
-    """No route (or not the requested one) can serve the call; lists every route's reasons."""
-
-    def __init__(self, call: AttentionCall, requested: str, reasons: dict[str, list[str]]) -> None:
-        self.reasons = reasons
-        lines = [f"{name}: {'; '.join(r) if r else 'can serve it'}" for name, r in reasons.items()]
-        head = (
-            f"backend={requested!r} cannot serve this attention call"
-            if requested != "auto"
-            else "no attention route can serve this call"
-        )
-        advice = []
-        if call.skip_factor is not None or call.quant is not None:
-            advice.append("pass fallback='dense' to run it without skip-softmax/SAGE (one warning says so)")
-        if requested != "auto":
-            advice.append("or backend='auto' to let the library choose")
-        super().__init__(
-            f"{head} [{call.role}: {call.describe()}]:\n  "
-            + "\n  ".join(lines)
-            + (f"\n{'; '.join(advice)}." if advice else "")
-        )
-
-
-def select_route(call: AttentionCall, backend: str = "auto") -> Route:
-    """The route that will run ``call``; raises ``NoRouteError`` with every route's reasons."""
-    _load_builtin_routes()
-    if backend != "auto":
-        route = get_route(backend)
-        if not route.not_supported_reasons(call):
-            return route
-    else:
-        candidates = sorted((r for r in _ROUTES.values() if r.auto), key=lambda r: r.priority(call))
-        for route in candidates:
-            if not route.not_supported_reasons(call):
-                return route
-    reasons = {name: r.not_supported_reasons(call) for name, r in _ROUTES.items()}
-    for name, r in _ROUTES.items():
-        if not r.auto and not reasons[name] and backend == "auto":
-            reasons[name] = [f"never chosen automatically; pass backend={name!r}"]
-    raise NoRouteError(call, backend, reasons)
+def registered_routes() -> dict[str, Route]:
+    """Name -> route, in ``route_names`` order (a copy)."""
+    load_routes()
+    return dict(_ROUTES)
 
 
 @functools.lru_cache(maxsize=None)
-def _load_builtin_routes() -> None:
+def load_routes() -> None:
     """Import the route modules once; each registers itself. Optional ones fail soft."""
     import importlib
 
     for module in ROUTE_MODULES:
-        importlib.import_module(f"{__package__}.kernels.{module}")
-    # A module imported by another registers early: restore ROUTE_MODULES' order (others keep theirs, after).
-    def position(name: str) -> int:
-        module = type(_ROUTES[name]).__module__.rsplit(".", 1)[-1]
+        importlib.import_module(f"{__package__.rsplit('.', 1)[0]}.kernels.{module}")
+
+    # A module imported by another registers early: put ROUTE_MODULES' order back (others keep theirs, after).
+    def position(route: Route) -> int:
+        module = type(route).__module__.rsplit(".", 1)[-1]
         return ROUTE_MODULES.index(module) if module in ROUTE_MODULES else len(ROUTE_MODULES)
 
-    _ORDER.sort(key=position)
-
-
-#: Route modules in default priority order (fastest specialised kernels first).
-ROUTE_MODULES = ("trtllm_gen", "fa3", "fmha_v2", "fmha_v2_fp8", "triton_attn", "sdpa", "gluon_attn", "reference")
+    ordered = sorted(_ROUTES.values(), key=position)
+    _ROUTES.clear()
+    _ROUTES.update((route.name, route) for route in ordered)

@@ -20,8 +20,8 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass, replace
 
-from .kernels._dense_order import LONG_KV, TEXT_KV
-from .routes import AttentionCall, device_sm
+from .order import LONG_KV, TEXT_KV
+from .registry import AttentionCall, device_sm
 
 __all__ = ["POLICIES", "FEATURES", "SHORT_KV", "SAGE_MIN_KV_SM90", "SAGE_INT8_MIN_KV_SM90", "SKIP_ALONE_MIN_SPARSITY_SM90", "SKIP_ALONE_MIN_KV_SM90",
            "PolicyDecision", "apply_policy"]
@@ -61,7 +61,7 @@ SKIP_ALONE_MIN_SPARSITY_SM90 = 0.35
 #: 0.999x stock against fa3 dense's 1.004x, at about twice dense's error (rel-L1 0.0100 against 0.0058; a second
 #: run, e2e_h200_flux_skip_policy.md: 1.013x against 1.011x, within the ~1% timing noise);
 #: FMHAv2 earlier 0.993x at 46% (e2e_h200_small.md). The Wan forwards (32,760 keys) gain 4-6% at 50%. The
-#: line is the dense-order table's "long" bucket (``_dense_order.LONG_KV``): between the two measured sizes.
+#: line is the dense order's "long" bucket (``order.LONG_KV``): between the two measured sizes.
 SKIP_ALONE_MIN_KV_SM90 = LONG_KV
 
 # Under ring attention each KV shard runs the skip rule with a running max local to the shard. A shard

@@ -5,7 +5,7 @@ transformers of one pipeline) has a :class:`TimestepTracker` that its layers rea
 inside the attention op. Two ways to feed it, usable together:
 
 - ``attach_denoise_tracking(pipe)``: a Diffusers ``ModelHook`` on each
-  transformer (``transformer``, ``transformer_2``) hands the ``timestep`` argument
+  denoiser (``serving.modules``: ``transformer``, ``transformer_2``, ``unet``, ...) hands the ``timestep`` argument
   of every forward to the tracker *before* that forward runs, so every step,
   the first included, is gated right. The hook only stores the tensor; its value
   is read inside our attention op (one sync per forward), so ``torch.compile``
@@ -35,15 +35,16 @@ import torch
 from diffusers.callbacks import PipelineCallback
 from diffusers.hooks import HookRegistry, ModelHook
 
-from .config import ControlTypeError
+from ..config import ControlTypeError
+from .layer import layer_of
+from .modules import denoisers, target_modules
 
 __all__ = [
     "DenoiseStepCallback", "attach_denoise_tracking", "detach_denoise_tracking", "TimestepNormalizer", "TimestepTracker",
-    "tracker_of",
+    "tracker_of", "detach_tracker", "tracking_hook",
 ]
 
 HOOK_NAME = "diffusers_trtllm.denoise_tracking"
-_TRANSFORMER_ATTRS = ("transformer", "transformer_2")
 #: A reading this close (in t) to a scheduler timestep is that timestep.
 _SNAP = 5e-3
 
@@ -211,7 +212,7 @@ def tracker_of(transformer: torch.nn.Module, shared: TimestepTracker | None = No
     tracker = shared or transformer.__dict__.get(TRACKER_ATTR) or TimestepTracker()
     transformer.__dict__[TRACKER_ATTR] = tracker
     for module in transformer.modules():
-        state = module.__dict__.get("_trtllm_layer")
+        state = layer_of(module)
         if state is not None:
             state.tracker = tracker
     return tracker
@@ -237,24 +238,11 @@ class _DenoiseTrackingHook(ModelHook):
         return args, kwargs
 
 
-def _transformers(target: Any) -> list[torch.nn.Module]:
-    if isinstance(target, torch.nn.Module):
-        return [target]
-    found = [getattr(target, a, None) for a in _TRANSFORMER_ATTRS]
-    found = [m for m in found if isinstance(m, torch.nn.Module)]
-    if not found:
-        raise ControlTypeError(
-            f"{type(target).__name__} has no transformer to track (looked for {', '.join(_TRANSFORMER_ATTRS)}); "
-            "pass a pipeline or a transformer module."
-        )
-    return found
-
-
 def attach_denoise_tracking(target: Any, processor: Any = None, timestep_divisor: float | None = None) -> Any:
     """Publish every step's normalized ``t`` to the layers of ``target`` before that step's transformer forward.
 
-    ``target``: a pipeline (hooks ``transformer`` and ``transformer_2``, which then share one
-    step count) or a transformer. ``processor`` is accepted for compatibility: the timestep
+    ``target``: a pipeline (hooks each of its denoisers, ``serving.modules``: Wan 2.2's
+    ``transformer`` and ``transformer_2`` then share one step count) or a transformer. ``processor`` is accepted for compatibility: the timestep
     belongs to the transformer, whichever processor serves it.
     ``timestep_divisor``: force the normalization (1 if the transformer gets ``t`` in [0, 1],
     ``num_train_timesteps`` if raw); by default it is detected against ``pipe.scheduler``.
@@ -262,7 +250,7 @@ def attach_denoise_tracking(target: Any, processor: Any = None, timestep_divisor
     """
     if processor is not None:
         check_processor(processor, "attach_denoise_tracking")
-    transformers = _transformers(target)
+    transformers = list(target_modules(target, "track").values())
     pipe = None if isinstance(target, torch.nn.Module) else target
     normalizer = TimestepNormalizer(pipe, timestep_divisor)
     tracker = tracker_of(transformers[0])
@@ -270,9 +258,8 @@ def attach_denoise_tracking(target: Any, processor: Any = None, timestep_divisor
         tracker_of(transformer, tracker)
         params = list(inspect.signature(transformer.forward).parameters)
         index = params.index("timestep") if "timestep" in params else None
+        _remove_hook(transformer)
         registry = HookRegistry.check_if_exists_or_initialize(transformer)
-        if registry.get_hook(HOOK_NAME) is not None:
-            registry.remove_hook(HOOK_NAME, recurse=False)
         registry.register_hook(_DenoiseTrackingHook(tracker, index), HOOK_NAME)
     tracker.normalizer = normalizer
     tracker.detached = False
@@ -281,17 +268,33 @@ def attach_denoise_tracking(target: Any, processor: Any = None, timestep_divisor
 
 def detach_denoise_tracking(target: Any) -> None:
     """Remove the hooks ``attach_denoise_tracking`` added; gated layers then run dense (one warning)."""
-    for transformer in _transformers(target):
-        registry = getattr(transformer, "_diffusers_hook", None)
-        if registry is not None and registry.get_hook(HOOK_NAME) is not None:
-            registry.remove_hook(HOOK_NAME, recurse=False)
+    for transformer in target_modules(target, "track").values():
+        _remove_hook(transformer)
         tracker = transformer.__dict__.get(TRACKER_ATTR)
         if tracker is not None:
             tracker.detach()
 
 
+def _remove_hook(transformer: torch.nn.Module) -> None:
+    registry = getattr(transformer, "_diffusers_hook", None)
+    if registry is not None and registry.get_hook(HOOK_NAME) is not None:
+        registry.remove_hook(HOOK_NAME, recurse=False)
+
+
+def tracking_hook(transformer: torch.nn.Module) -> ModelHook | None:
+    """The tracking hook ``attach_denoise_tracking`` put on ``transformer``, or None."""
+    registry = getattr(transformer, "_diffusers_hook", None)
+    return registry.get_hook(HOOK_NAME) if registry is not None else None
+
+
+def detach_tracker(transformer: torch.nn.Module) -> None:
+    """Forget ``transformer``'s tracker and its tracking hook (``uninstall``)."""
+    transformer.__dict__.pop(TRACKER_ATTR, None)
+    _remove_hook(transformer)
+
+
 class DenoiseStepCallback(PipelineCallback):
-    """``callback_on_step_end`` that publishes the next step's normalized ``t`` to the pipeline's transformers.
+    """``callback_on_step_end`` that publishes the next step's normalized ``t`` to the pipeline's denoisers.
 
     Works alone (the first step then runs dense) or inside ``MultiPipelineCallbacks``;
     with ``attach_denoise_tracking`` as well, the hook's reading wins.
@@ -306,7 +309,7 @@ class DenoiseStepCallback(PipelineCallback):
             raise ControlTypeError(f"on_step must be a callable (step_index, t) or None; got {on_step!r}.")
         self.processor = processor
         self.on_step = on_step
-        processor._has_callback = True
+        processor.attach_step_callback()
 
     def callback_fn(self, pipeline: Any, step_index: int, timestep: Any, callback_kwargs: dict) -> dict:
         scheduler = pipeline.scheduler
@@ -318,7 +321,10 @@ class DenoiseStepCallback(PipelineCallback):
         # After the last step nothing is known until the next run's first callback.
         if t_next is not None and not 0.0 <= t_next <= 1.0:
             raise ValueError(f"t must be a normalized timestep in [0, 1]; got {t_next!r}.")
-        transformers = [m for m in (getattr(pipeline, a, None) for a in _TRANSFORMER_ATTRS) if isinstance(m, torch.nn.Module)]
+        try:
+            transformers = list(denoisers(pipeline).values())
+        except ValueError:
+            transformers = []
         if transformers:
             tracker = tracker_of(transformers[0])
             for transformer in transformers[1:]:

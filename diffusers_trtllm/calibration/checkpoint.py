@@ -32,9 +32,11 @@ from typing import Any, Mapping
 
 import torch
 
-from ._logging import warn_once
-from .config import ControlTypeError, check_curve, unknown_keys_message
-from .layer import Calibration, LayerState
+from .._logging import warn_once
+from ..config import ControlTypeError, check_curve, unknown_keys_message
+from ..serving.layer import Calibration, LayerState, layer_of
+from ..serving.modules import denoisers, is_denoiser_name
+from ..version import __version__
 
 __all__ = [
     "CalibrationGroup", "parse_sparse_attention_config", "read_calibration", "load_calibration", "FORMULAS",
@@ -46,7 +48,6 @@ FORMULAS = {
     "a*exp(b*target_sparsity)": "a",
     "exp(log_a+b*target_sparsity)": "log_a",
 }
-_TRANSFORMER_ATTRS = ("transformer", "transformer_2")
 #: Keys this loader reads; others are reported (with the closest known key) and ignored.
 _GROUP_KEYS = ("algorithm", "threshold_scale_factor", "target_sparsity", "disabled_until_timestep", "ignore", "targets")
 _CURVE_KEYS = ("formula", "coefficients", "prefill")
@@ -212,19 +213,19 @@ def _own_config(transformer: torch.nn.Module) -> Mapping[str, Any] | None:
 
 
 def _transformers(target: Any) -> dict[str, torch.nn.Module]:
-    if isinstance(target, torch.nn.Module):
-        return {"transformer": target}
-    found = {a: getattr(target, a, None) for a in _TRANSFORMER_ATTRS}
-    found = {a: m for a, m in found.items() if isinstance(m, torch.nn.Module)}
-    if not found:
-        raise ValueError(f"{type(target).__name__} has no transformer; pass a pipeline or a transformer module.")
-    return found
+    """A module as ``"transformer"``, or a pipeline's denoisers by component name (``serving.modules``)."""
+    return {"transformer": target} if isinstance(target, torch.nn.Module) else denoisers(target, "calibrate")
+
+
+def _per_denoiser(config: Mapping[str, Any]) -> bool:
+    """Whether ``config`` holds one section per denoiser (``{"transformer": ..., "transformer_2": ...}``)."""
+    return any(is_denoiser_name(str(k)) for k in config)
 
 
 def _layers(transformer: torch.nn.Module) -> list[tuple[str, LayerState]]:
     found = []
     for name, module in transformer.named_modules():
-        state = module.__dict__.get("_trtllm_layer")
+        state = layer_of(module)
         if state is not None:
             state.name = name
             found.append((name, state))
@@ -234,10 +235,11 @@ def _layers(transformer: torch.nn.Module) -> list[tuple[str, LayerState]]:
 def load_calibration(target: Any, path_or_dict: str | os.PathLike | Mapping[str, Any] | None = None) -> dict[str, dict[str, int]]:
     """Apply skip-softmax calibrations to the layers a ``TrtllmAttnProcessor`` serves.
 
-    ``target``: a pipeline (its ``transformer`` and ``transformer_2``) or one transformer,
-    with the processor already installed. ``path_or_dict``: None reads each transformer's
-    own config; a dict / JSON file / model directory holds either one
-    ``sparse_attention_config`` for all transformers or ``{"transformer": ..., "transformer_2": ...}``.
+    ``target``: a pipeline (each of its denoisers, ``serving.modules``: ``transformer`` and
+    ``transformer_2``, ``unet``, ...) or one transformer, with the processor already installed.
+    ``path_or_dict``: None reads each denoiser's own config; a dict / JSON file / model directory
+    holds either one ``sparse_attention_config`` for all or one per component name
+    (``{"transformer": ..., "transformer_2": ...}``).
     Returns, per transformer, how many layers got a curve and how many stay dense.
     """
     transformers = _transformers(target)
@@ -253,7 +255,7 @@ def load_calibration(target: Any, path_or_dict: str | os.PathLike | Mapping[str,
             )
         if given is None:
             config = _own_config(transformer)
-        elif any(k in given for k in _TRANSFORMER_ATTRS):
+        elif _per_denoiser(given):
             config = given.get(attr)
         else:
             config = given
@@ -298,8 +300,6 @@ def sparse_attention_config(
     ``prefill`` so that every reader finds them; the result parses back with
     ``parse_sparse_attention_config``.
     """
-    from . import __version__
-
     out: dict[str, Any] = {}
     for name, a, b, targets, observed in groups:
         prefill: dict[str, Any] = {"a": a, "b": b}
@@ -337,7 +337,7 @@ def save_calibration(calibration: Any, path: str | os.PathLike) -> str:
         raise ValueError(f"save_calibration needs calibrate()'s result or a config dict; got {type(calibration).__name__}.")
     path = os.fspath(path)
     if os.path.isdir(path):
-        per = config if any(k in config for k in _TRANSFORMER_ATTRS) else {"transformer": config}
+        per = config if _per_denoiser(config) else {"transformer": config}
         pipeline = os.path.isfile(os.path.join(path, "model_index.json"))
         for attr, section in per.items():
             target = os.path.join(path, attr, "config.json") if pipeline else os.path.join(path, "config.json")

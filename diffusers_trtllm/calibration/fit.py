@@ -4,7 +4,7 @@ One dense pipeline run per prompt is enough for every threshold at once: a tile 
 skipped when ``exp(local_max - running_max) < lambda`` for all its rows, and a skipped
 tile never raises the running max (its maximum lies below it, ``lambda <= 1``), so the
 dense running max is the one a sparse run would see and each tile's *critical* value
-(``bench.timing.tile_criticals``) says at which ``lambda`` it starts being skipped.
+(``measure.tile_criticals``) says at which ``lambda`` it starts being skipped.
 Multiplied by the sequence's KV length it becomes a critical *factor*
 (``lambda = factor / kv_len``), the quantity ModelOpt's curve speaks of.
 
@@ -28,12 +28,14 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 import torch
 
-from ._logging import logger
-from .bench.timing import tile_criticals
-from .calibration import sparse_attention_config
-from .layout import MaskNotSupportedError
-from .processor import TrtllmAttnProcessor
-from .timestep import HOOK_NAME, attach_denoise_tracking, detach_denoise_tracking
+from .._logging import logger
+from ..layout import MaskNotSupportedError
+from ..measure import tile_criticals
+from ..serving.processor import TrtllmAttnProcessor
+from ..serving.layer import layer_of
+from ..serving.modules import denoisers
+from ..serving.timestep import attach_denoise_tracking, detach_denoise_tracking, tracking_hook
+from .checkpoint import sparse_attention_config
 
 __all__ = ["calibrate", "SparsityCalibration", "FittedGroup", "LayerStepSparsity", "DEFAULT_THRESHOLDS", "GROUP_BY"]
 
@@ -41,7 +43,6 @@ __all__ = ["calibrate", "SparsityCalibration", "FittedGroup", "LayerStepSparsity
 DEFAULT_THRESHOLDS: tuple[float, ...] = tuple(float(x) for x in np.geomspace(1e-8, 1.0, 97))
 #: How layers are pooled into curves: one per transformer (ModelOpt's layout), per role, or per layer.
 GROUP_BY = ("transformer", "role", "layer")
-_TRANSFORMER_ATTRS = ("transformer", "transformer_2")
 
 
 @dataclass
@@ -139,10 +140,10 @@ class _Recorder(TrtllmAttnProcessor):
         self.tile = tile
         self.owners = owners
         self.cells: dict[tuple, LayerStepSparsity] = {}
-        self._call_observer = self._measure
+        self.call_observer = self._measure
 
-    def _settings_for(self, state):
-        return self._role_settings[state.role]  # dense, whatever calibration the layer carries
+    def settings_for(self, state):
+        return self.role_settings(state.role)  # dense, whatever calibration the layer carries
 
     @torch.no_grad()
     def _measure(self, state, t, layout, query, key, scale) -> None:
@@ -177,16 +178,7 @@ class _Recorder(TrtllmAttnProcessor):
 def _transformers(pipe: Any) -> dict[str, torch.nn.Module]:
     if isinstance(pipe, torch.nn.Module):
         raise ValueError("calibrate() runs a pipeline; pass the pipeline, not its transformer.")
-    found = {a: getattr(pipe, a, None) for a in _TRANSFORMER_ATTRS}
-    found = {a: m for a, m in found.items() if isinstance(m, torch.nn.Module)}
-    if not found:
-        raise ValueError(f"{type(pipe).__name__} has no transformer (looked for {', '.join(_TRANSFORMER_ATTRS)}).")
-    return found
-
-
-def _tracking_hook(transformer: torch.nn.Module) -> Any:
-    registry = getattr(transformer, "_diffusers_hook", None)
-    return registry.get_hook(HOOK_NAME) if registry is not None else None
+    return denoisers(pipe, "calibrate")
 
 
 def _check_thresholds(thresholds: Iterable[float]) -> tuple[float, ...]:
@@ -347,13 +339,13 @@ def calibrate(
     transformers = _transformers(pipe)
     runs = _pipeline_inputs(prompts)
     previous = {attr: m.attn_processors for attr, m in transformers.items() if hasattr(m, "attn_processors")}
-    tracked = all(_tracking_hook(m) is not None for m in transformers.values())
+    tracked = all(tracking_hook(m) is not None for m in transformers.values())
     recorder = _Recorder(thresholds, tile, {}, backend)
     try:
         for attr, transformer in transformers.items():
             transformer.set_attn_processor(recorder)
             for module in transformer.modules():
-                state = module.__dict__.get("_trtllm_layer")
+                state = layer_of(module)
                 if state is not None:
                     recorder.owners[id(state)] = attr
         if not tracked:

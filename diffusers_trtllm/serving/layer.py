@@ -1,4 +1,4 @@
-"""Per-layer state, owned by the attention module it serves (``module._trtllm_layer``).
+"""Per-layer state, owned by the attention module it serves (``layer_of(module)``).
 
 A :class:`LayerState` knows the module's stock processor (which does everything but
 the attention call), how its call is intercepted, its role, calibration, timestep
@@ -17,19 +17,36 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from ._logging import info_once, warn_once
-from .attention import build_layout, run_attention
-from .config import SkipSoftmaxConfig
-from .integration import intercept
-from .integration.roles import guess_role, observed_role
-from .layout import MaskNotSupportedError, PackedLayout, query_key_masks
-from .stats import LayerStats, StepRecord
+from .._logging import info_once, warn_once
+from ..attention import build_layout, run_attention
+from ..config import SkipSoftmaxConfig
+from ..layout import MaskNotSupportedError, PackedLayout, query_key_masks
+from ..stats import LayerStats, StepRecord
+from . import intercept
+from .roles import guess_role, observed_role
 
 if TYPE_CHECKING:
     from .processor import Settings, TrtllmAttnProcessor
     from .timestep import TimestepTracker
 
-__all__ = ["LayerState", "Calibration"]
+__all__ = ["LayerState", "Calibration", "LAYER_ATTR", "layer_of", "attach_layer", "detach_layer"]
+
+#: The attribute of an attention module that holds its ``LayerState`` (only this module spells it).
+LAYER_ATTR = "_trtllm_layer"
+
+
+def layer_of(module: torch.nn.Module) -> "LayerState | None":
+    """The state our processor keeps on ``module``, or None when none of ours serves it."""
+    return module.__dict__.get(LAYER_ATTR)
+
+
+def attach_layer(module: torch.nn.Module, state: "LayerState") -> None:
+    module.__dict__[LAYER_ATTR] = state
+
+
+def detach_layer(module: torch.nn.Module) -> "LayerState | None":
+    """Take the state off ``module`` (returned, or None when it had none)."""
+    return module.__dict__.pop(LAYER_ATTR, None)
 
 
 @dataclass(frozen=True)
@@ -58,7 +75,7 @@ class LayerState:
         self.processor = processor
         self.name = name
         self.role = "self"
-        #: True once a call settled the role (see ``integration.roles``).
+        #: True once a call settled the role (see ``serving.roles``).
         self.role_observed = False
         self.stock: Any = None
         self.mode: str | None = None
@@ -86,7 +103,7 @@ class LayerState:
         self.key = intercept.register_layer(self)
         if self.stock is not None and self.mode is not None:
             intercept.ensure_routing(self.stock)
-        self.processor._adopt(self)
+        self.processor.adopt(self)
 
     # ---- description --------------------------------------------------------------------------
     @property
@@ -127,7 +144,7 @@ class LayerState:
 
     def settings(self) -> "Settings":
         if self._settings is None:
-            self._settings = self.processor._settings_for(self)
+            self._settings = self.processor.settings_for(self)
         return self._settings
 
     def refresh(self) -> None:
@@ -182,8 +199,9 @@ class LayerState:
         quant = settings.quant if settings.mode == "trtllm" else None
         if skip is not None and skip.configured and skip.gated and t is None:
             skip = self._ungated_skip(skip)
-        if self.processor._call_observer is not None:  # calibrate(): sees every call's Q, K and layout
-            self.processor._call_observer(self, t, layout, query, key, scale)
+        observer = self.processor.call_observer
+        if observer is not None:  # calibrate(): sees every call's Q, K and layout
+            observer(self, t, layout, query, key, scale)
         out, result = run_attention(
             query, key, value, layout=layout, softmax_scale=scale, skip=skip, quant=quant, timestep=t,
             backend=settings.backend, fallback=settings.fallback, role=self.role,
@@ -202,7 +220,7 @@ class LayerState:
                       "TrtllmAttnProcessor: denoise tracking was detached, so no timestep is known and gated "
                       "skip-softmax runs dense; attach_denoise_tracking(pipe) again to gate it.")
             return None
-        if self.processor._has_callback:
+        if self.processor.step_callback_attached:
             info_once(("first-step-dense", id(self.processor)),
                       "DenoiseStepCallback publishes t after each step, so the first step runs dense; "
                       "attach_denoise_tracking(pipe, proc) knows t before every step.")
@@ -211,14 +229,14 @@ class LayerState:
 
     def _timestep(self, tensor: torch.Tensor | None) -> float | None:
         if self.tracker is None:
-            return self.processor._t_value
+            return self.processor.fallback_timestep
         t = self.tracker.read(tensor)
-        return t if t is not None or self.tracker.timed else self.processor._t_value
+        return t if t is not None or self.tracker.timed else self.processor.fallback_timestep
 
     def _plan(self, query, key, attn_mask, mask_source) -> _MaskPlan:
         """The layout of this call (cached per mask, so one sync per forward)."""
         batch, q_len, kv_len = query.shape[0], query.shape[1], key.shape[1]
-        cache = self.processor._layouts
+        cache = self.processor.layouts
         if attn_mask is None:
             return _MaskPlan(cache.dense(batch, q_len, kv_len, query.device))
 

@@ -1,0 +1,49 @@
+"""Which modules of a pipeline are its denoisers: the one rule every entry point uses.
+
+``install``, ``uninstall``, ``calibrate``, ``load_calibration``, ``save_calibration`` and
+``attach_denoise_tracking`` all serve the same components: a pipeline's ``torch.nn.Module``
+components whose names start with ``transformer``, ``unet``, ``prior`` or ``decoder``
+(``transformer`` and ``transformer_2`` for Wan 2.2's two experts, ``unet`` for SD 1.x/XL,
+``prior`` / ``decoder`` for Kandinsky-style and Würstchen pipelines).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..config import ControlTypeError
+
+__all__ = ["DENOISER_PREFIXES", "is_denoiser_name", "denoisers", "target_modules"]
+
+#: Pipeline components served: names starting with these.
+DENOISER_PREFIXES = ("transformer", "unet", "prior", "decoder")
+
+
+def is_denoiser_name(name: str) -> bool:
+    return name.startswith(DENOISER_PREFIXES)
+
+
+def denoisers(pipe: Any, purpose: str = "serve") -> dict[str, torch.nn.Module]:
+    """A pipeline's denoisers by component name; raises ``ControlTypeError`` (also a ValueError) if none.
+
+    ``purpose`` (``"serve"``, ``"track"``, ...) only words the error.
+    """
+    components = getattr(pipe, "components", None)
+    if not isinstance(components, dict):
+        components = {k: v for k, v in getattr(pipe, "__dict__", {}).items() if not k.startswith("_")}
+    found = {name: m for name, m in components.items() if isinstance(m, torch.nn.Module) and is_denoiser_name(name)}
+    if not found:
+        raise ControlTypeError(
+            f"{type(pipe).__name__} has no transformer to {purpose} (components named "
+            f"{', '.join(p + '*' for p in DENOISER_PREFIXES)}); pass a pipeline or a torch.nn.Module."
+        )
+    return found
+
+
+def target_modules(target: Any, purpose: str = "serve") -> dict[str, torch.nn.Module]:
+    """``target`` itself (a module, named ``""``), or a pipeline's denoisers."""
+    if isinstance(target, torch.nn.Module):
+        return {"": target}
+    return denoisers(target, purpose)

@@ -1,0 +1,112 @@
+"""Diffusers' processor setters, wrapped so that ``set_attn_processor(proc)`` binds our layers.
+
+Diffusers' ``set_processor`` keeps no record of the processor it replaces, and an old
+``attention_processor.Attention`` does not name its stock processor, so while a processor
+of ours exists, ``set_processor`` (of ``Attention`` and ``AttentionModuleMixin``) is
+wrapped to hand the replaced processor to ours, and ``AttentionMixin.set_attn_processor``
+to name each layer. Both wrappers act only when ours is involved. :func:`restore_if_unused`
+puts Diffusers' setters and the globals ``intercept`` rebound back once no layer of ours is
+alive. See docs/design.md ("Process-wide state").
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+from typing import Any
+
+import torch
+
+from .._logging import logger
+from . import intercept
+from .layer import detach_layer, layer_of
+from .timestep import tracker_of
+
+__all__ = ["patch_diffusers", "unpatch_diffusers", "restore_if_unused", "drop_layer", "put_processor"]
+
+#: (class, attribute name, Diffusers' original) for every setter we wrapped.
+_WRAPPED: list[tuple[type, str, Any]] = []
+
+
+def put_processor(module: torch.nn.Module, processor: Any) -> None:
+    """Put ``processor`` in place without Diffusers' setter (a module without one, or bypassing our wrapper)."""
+    module._modules.pop("processor", None)
+    module.processor = processor
+
+
+def drop_layer(module: torch.nn.Module, restore: bool, ours: type) -> None:
+    """Take our layer off ``module``; ``restore``: put its stock processor back where ``ours`` serves it."""
+    state = detach_layer(module)
+    if state is None:
+        return
+    state.processor.release(state)
+    intercept.unregister_layer(state.key)
+    if restore and isinstance(getattr(module, "processor", None), ours):
+        if state.stock is None:
+            raise RuntimeError(f"{type(module).__name__} has no recorded stock processor to restore ({state.reason}).")
+        put_processor(module, state.stock)
+
+
+def restore_if_unused(collect: bool = True) -> bool:
+    """Restore Diffusers' globals and setters once no layer of ours is alive; True if it did.
+
+    ``collect``: first free layers of models dropped in a reference cycle (a garbage collection:
+    once per ``uninstall``, not per module).
+    """
+    if intercept.live_layers() and collect:
+        gc.collect()
+    if intercept.live_layers():
+        return False
+    restored = intercept.restore_globals()
+    unpatch_diffusers()
+    if restored:
+        logger.debug("diffusers_trtllm: restored Diffusers' globals in %s", ", ".join(restored))
+    return True
+
+
+def patch_diffusers(ours: type) -> None:
+    """Wrap Diffusers' processor setters (once) so installing an ``ours`` records the processor it replaces."""
+    if _WRAPPED:
+        return
+    from diffusers.models.attention import AttentionMixin, AttentionModuleMixin
+    from diffusers.models.attention_processor import Attention
+
+    for cls in (AttentionModuleMixin, Attention):
+        original = cls.__dict__["set_processor"]
+
+        @functools.wraps(original)
+        def set_processor(self, processor, _original=original):
+            replaced = getattr(self, "processor", None)
+            _original(self, processor)
+            if isinstance(processor, ours):
+                processor.bind(self, replaced=replaced)
+            elif layer_of(self) is not None:
+                drop_layer(self, restore=False, ours=ours)
+                restore_if_unused(collect=False)
+
+        _WRAPPED.append((cls, "set_processor", original))
+        cls.set_processor = set_processor
+
+    original_set = AttentionMixin.__dict__["set_attn_processor"]
+
+    @functools.wraps(original_set)
+    def set_attn_processor(self, processor):
+        original_set(self, processor)
+        served = False
+        for name, module in self.named_modules():
+            state = layer_of(module)
+            if state is not None and isinstance(getattr(module, "processor", None), ours):
+                state.rename(name, module)
+                served = True
+        if served:
+            tracker_of(self)
+
+    _WRAPPED.append((AttentionMixin, "set_attn_processor", original_set))
+    AttentionMixin.set_attn_processor = set_attn_processor
+
+
+def unpatch_diffusers() -> None:
+    """Put Diffusers' own processor setters back."""
+    while _WRAPPED:
+        cls, name, original = _WRAPPED.pop()
+        setattr(cls, name, original)
