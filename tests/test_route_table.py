@@ -2,12 +2,13 @@
 
 The table (``tests/data/route_table.tsv``: one row per device, FlashInfer, dtype, head dim and layout;
 one column per skip-softmax / SAGE / ring request, each cell ``auto/policy/policy at 0.5`` or one name
-where the three agree, ``-`` for no route) was written by this file's harness on the code before
-route order moved into one function (``python tests/test_route_table.py`` writes it again); the
-test asserts the choice is unchanged on every row. Devices are faked (an SM number for a CUDA
-device; FlashInfer importable with its kernels built, or missing; Triton and Gluon importable),
-tensors are shape-only stand-ins, so no kernel runs. Each row records the route for the call as
-asked, and after the never-slower policy (a bare threshold, and ``target_sparsity=0.5``).
+where the three agree, ``-`` for no route) was first written by this file's harness on the code before
+route order moved into one function, and is written again (``python tests/test_route_table.py``) only
+when a rank changes on purpose, the diff reviewed: since then, int8 SAGE on SM90 with long keys takes
+``sage-sm90`` (16 rows). Devices are faked (an SM number for a CUDA device; FlashInfer importable with its
+kernels built, or missing; Triton, Gluon and nvcc present), tensors are shape-only stand-ins, so no kernel
+runs. Each row records the route for the call as asked, and after the never-slower policy (a bare
+threshold, and ``target_sparsity=0.5``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import pytest
 import torch
 
 from diffusers_trtllm.config import QuantConfig
-from diffusers_trtllm.kernels import fa3, flashinfer_support, gluon_attn, triton_attn
+from diffusers_trtllm.kernels import fa3, flashinfer_support, gluon_attn, sage_sm90, triton_attn
 from diffusers_trtllm.layout import PackedLayout
 from diffusers_trtllm.routing import AttentionCall, NoRouteError, registry, select_route
 from diffusers_trtllm.routing.policy import apply_policy
@@ -75,7 +76,8 @@ def make_call(device: str, dtype: str, head_dim: int, layout: str, skip: str, qu
 
 
 def fake_environment(mp: pytest.MonkeyPatch, device: str, flashinfer: str) -> None:
-    """The faked GPU: its SM number, FlashInfer present with built kernels (or missing), Triton and Gluon present."""
+    """The faked GPU: its SM number, FlashInfer present with built kernels (or missing), Triton, Gluon and nvcc
+    present."""
     if device != "cpu":
         mp.setattr(registry, "_sm_of", lambda index, sm=int(device[2:]): sm)
     prefill = types.SimpleNamespace(trtllm_ragged_attention_deepseek=lambda *, sage_attn_sfs=None: None)
@@ -86,6 +88,7 @@ def fake_environment(mp: pytest.MonkeyPatch, device: str, flashinfer: str) -> No
     mp.setattr(fa3, "module_uri", lambda call: "fa3")
     mp.setattr(triton_attn, "_TRITON_MISSING", None)
     mp.setattr(gluon_attn, "_GLUON_MISSING", None)
+    mp.setattr(sage_sm90, "sage_sm90_missing", lambda: None)  # nvcc found
 
 
 def _choice(call: AttentionCall) -> str:
@@ -131,7 +134,7 @@ def test_route_choice_is_unchanged():
 
 def test_table_covers_every_route_that_auto_may_pick():
     chosen = {name for row in _table()[1:] for cell in row[5:] for name in cell.split("/")}
-    assert chosen == {"trtllm-gen", "fa3", "fmha-v2", "fmha-v2-fp8", "triton", "gluon", "sdpa", "-"}
+    assert chosen == {"trtllm-gen", "fa3", "fmha-v2", "fmha-v2-fp8", "sage-sm90", "triton", "gluon", "sdpa", "-"}
 
 
 if __name__ == "__main__":

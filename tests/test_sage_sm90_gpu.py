@@ -84,3 +84,23 @@ def test_extreme_magnitudes_stay_finite(dtype, magnitude, dtype_qk, skip):
 @pytest.mark.parametrize("tensor,value", NONFINITE)
 def test_nonfinite_inputs_propagate(tensor, value, dtype_qk, skip):
     check_nonfinite_propagation(_attention, 64, tensor, value, dtype_qk, skip)
+
+
+def test_auto_takes_it_for_int8_sage_on_long_keys_only():
+    """On the H200 ``auto`` runs int8 SAGE on this kernel from 16,384 keys on (routing/order.py), triton below."""
+    import math
+
+    from diffusers_trtllm.layout import PackedLayout
+    from diffusers_trtllm.routing import AttentionCall, select_route
+
+    def call(tokens):
+        q, k, v = (torch.randn(tokens, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        layout = PackedLayout.dense(1, tokens, tokens, "cuda")
+        return AttentionCall(q, k, v, layout, softmax_scale=128**-0.5, quant=QuantConfig("int8"))
+
+    long_call = call(20000)
+    assert select_route(long_call).name == "sage-sm90"
+    assert select_route(call(4608)).name == "triton"
+    res = select_route(long_call).run(long_call)
+    ref = _reference(long_call.q.float(), long_call.k.float(), long_call.v.float(), long_call.layout).out
+    assert res.route == "sage-sm90" and rel_l1(res.out, ref) < 0.06 and not math.isnan(rel_l1(res.out, ref))

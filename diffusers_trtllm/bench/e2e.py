@@ -66,6 +66,9 @@ class ProcessorSetting:
     #: Skip-softmax by a calibrated ``target_sparsity`` (what a user who calibrates runs) instead of a
     #: bare threshold; the bench fits the curve to the stock forward's tiles (``calibration_for``).
     target_sparsity: float | None = None
+    #: Stock Diffusers processors on one of Diffusers' own attention backends
+    #: (``model.set_attention_backend``): what a user runs without this library, e.g. "sage".
+    diffusers_backend: str | None = None
 
     def processor_kwargs(self, threshold: float, backend: str) -> dict[str, Any]:
         kwargs: dict[str, Any] = {"backend": backend, "policy": self.policy}
@@ -83,7 +86,9 @@ SETTINGS: dict[str, ProcessorSetting] = {
     for s in (
         ProcessorSetting("stock", stock=True),
         ProcessorSetting("dense"),
+        ProcessorSetting("stock-sage2", diffusers_backend="sage"),
         ProcessorSetting("sage-int8", quant="int8"),
+        ProcessorSetting("sage-int8-always", quant="int8", policy="always"),
         ProcessorSetting("sage-fp8", quant="fp8_e4m3"),
         ProcessorSetting("skip", skip=True),
         ProcessorSetting("skip-always", skip=True, policy="always"),
@@ -300,6 +305,11 @@ class _ModelBench:
             torch.cuda.synchronize(self.device)
         result.build_s = time.monotonic() - start
         self.stock = dict(self.model.attn_processors)
+        from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+        #: Diffusers' process-wide attention backend, and the one of ours set on the model (``stock-sage2``).
+        self.default_backend = _AttentionBackendRegistry.get_active_backend()[0]
+        self.diffusers_backend: str | None = None
         self.runner: Callable[..., Any] = self.model
         self.crits: dict[str, torch.Tensor | None] = {}
         #: Self-attention KV length of each weights kind's recorded calls (the calibration's ``kv_len``).
@@ -316,14 +326,29 @@ class _ModelBench:
         t = time_fn(self.forward, self.device, warmup=self.opts.warmup, iters=self.opts.iters, max_seconds=3600.0)
         return t.median_ms, t.iters
 
+    def use_diffusers_backend(self, backend: str | None) -> None:
+        """Diffusers' attention backend ``backend`` on the stock processors, or (None) its default back.
+        ``set_attention_backend`` also makes the backend process-wide active (Diffusers' private registry),
+        which ``reset_attention_backend`` leaves as it is: that is put back too, or later stock forwards
+        would run it."""
+        from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+        if backend is not None:
+            self.model.set_attention_backend(backend)
+        elif self.diffusers_backend is not None:
+            self.model.reset_attention_backend()
+            _AttentionBackendRegistry.set_active_backend(self.default_backend)
+        self.diffusers_backend = backend
+
     def install(self, setting: ProcessorSetting, threshold: float, collect_stats: bool = False,
                 calibration: dict[str, Any] | None = None) -> Any:
-        """Stock processors back, then (unless stock) the processor of ``setting`` with empty records and
-        ``calibration`` loaded; returns it."""
+        """Stock processors and Diffusers' default attention back, then (unless stock) Diffusers' backend of
+        ``setting`` (returns None) or its processor with empty records and ``calibration`` loaded (returns it)."""
         from .. import TrtllmAttnProcessor, load_calibration
 
         self.model.set_attn_processor(dict(self.stock))  # Diffusers pops from the dict
-        if setting.stock:
+        self.use_diffusers_backend(setting.diffusers_backend)
+        if setting.stock or setting.diffusers_backend is not None:
             return None
         key = (setting.name, threshold)
         proc = None if collect_stats else self.processors.get(key)
@@ -409,6 +434,7 @@ class _ModelBench:
             for row in pass_rows:
                 row.vs_stock = None if row.ms is None else base / row.ms
         self.model.set_attn_processor(dict(self.stock))  # Diffusers pops from the dict
+        self.use_diffusers_backend(None)
 
     def _run_setting(self, row: E2ERow, setting: ProcessorSetting, threshold: float, compiled: bool,
                      stock_out: torch.Tensor | None) -> None:
@@ -428,6 +454,10 @@ class _ModelBench:
         if stock_out is not None:
             row.rel_l1 = rel_l1(out.float(), stock_out.float())
         del out
+        if proc is None:  # Diffusers' own backend: no records of ours
+            row.routes = {"all": f"diffusers {setting.diffusers_backend}"}
+            row.ms, row.iters = self.time()
+            return
         summary = processor_summary(proc)
         row.routes, row.policy, row.skipped_route = summary.routes, summary.policy, summary.skipped_route
         crit = self.crits.get(row.weights)
@@ -439,6 +469,7 @@ class _ModelBench:
 
     def close(self) -> None:
         self.model.set_attn_processor(dict(self.stock))  # Diffusers pops from the dict
+        self.use_diffusers_backend(None)
         del self.model, self.runner, self.inputs
         if self.opts.compile != "off":
             torch._dynamo.reset()

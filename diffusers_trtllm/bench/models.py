@@ -72,14 +72,20 @@ _WAN_TINY = {"num_attention_heads": 2, "attention_head_dim": 12, "ffn_dim": 32, 
 _WAN_PROBE = {"num_attention_heads": 2, "num_layers": 1, "ffn_dim": 64}
 #: 480p, 81 frames: VAE strides 4x8x8 give 21 x 60 x 104 latents; patches 1x2x2 give 32,760 tokens.
 _WAN_480P = (16, 21, 60, 104)
+#: 720p (1280 x 720), 81 frames: 21 x 90 x 160 latents, 75,600 tokens.
+_WAN_720P = (16, 21, 90, 160)
+_WAN_14B = {**_WAN_21, "ffn_dim": 13824, "num_attention_heads": 40, "num_layers": 40}
 
 MODELS: dict[str, ModelSpec] = {
     s.name: s
     for s in (
         ModelSpec(
             "wan2.1-t2v-14b", "WanTransformer3DModel", "wan",
-            {**_WAN_21, "ffn_dim": 13824, "num_attention_heads": 40, "num_layers": 40},
-            _WAN_480P, 512, _WAN_TINY, (16, 2, 4, 8), 8, _WAN_PROBE, contrast=32.0,
+            _WAN_14B, _WAN_480P, 512, _WAN_TINY, (16, 2, 4, 8), 8, _WAN_PROBE, contrast=32.0,
+        ),
+        ModelSpec(
+            "wan2.1-t2v-14b-720p", "WanTransformer3DModel", "wan",
+            _WAN_14B, _WAN_720P, 512, _WAN_TINY, (16, 2, 4, 8), 8, _WAN_PROBE, contrast=32.0,
         ),
         ModelSpec(
             "wan2.1-t2v-1.3b", "WanTransformer3DModel", "wan",

@@ -35,7 +35,7 @@ from ..config import QuantConfig
 from ..layout import PackedLayout
 from ..routing.registry import AttentionCall, AttentionResult, Capabilities, Route, device_sm, register_route
 
-__all__ = ["TritonRoute", "TritonAttentionOutput", "triton_attention", "KernelConfig"]
+__all__ = ["TritonRoute", "TritonAttentionOutput", "triton_attention", "triton_missing", "KernelConfig"]
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -232,6 +232,11 @@ if triton is not None:
             if STATS:
                 tl.atomic_add(stats_ptr, n_skipped)
 
+
+
+def triton_missing() -> str | None:
+    """Why the triton route (and the quantizer other routes share) cannot run here, or None."""
+    return _TRITON_MISSING
 
 
 def check_heads(q: torch.Tensor, k: torch.Tensor, route: str) -> None:

@@ -176,7 +176,7 @@ def capability_reasons(caps: Capabilities, call: AttentionCall) -> list[str]:
 _ROUTES: dict[str, Route] = {}
 
 #: The built-in route modules (under ``kernels/``), in the order ``route_names`` lists them.
-ROUTE_MODULES = ("trtllm_gen", "fa3", "fmha_v2", "fmha_v2_fp8", "triton_attn", "sdpa", "gluon_attn", "reference")
+ROUTE_MODULES = ("trtllm_gen", "fa3", "fmha_v2", "fmha_v2_fp8", "sage_sm90", "triton_attn", "sdpa", "gluon_attn", "reference")
 
 
 def register_route(route: Route) -> Route:

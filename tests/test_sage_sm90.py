@@ -1,0 +1,153 @@
+"""The ``sage-sm90`` route without a GPU: its contract with the CUDA source, the V^T key order its quantizer
+writes, the build (when nvcc is here), the compile cache, and the reasons it gives where it cannot run."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from diffusers_trtllm.config import QuantConfig
+from diffusers_trtllm.kernels import cuda_jit, sage_sm90
+from diffusers_trtllm.kernels.triton_quant import mma_key_column
+from diffusers_trtllm.layout import PackedLayout
+from diffusers_trtllm.routing import AttentionCall, NoRouteError, select_route
+
+SOURCE = cuda_jit.source_path("sage_sm90.cu")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _c_struct_fields(name: str) -> list[str]:
+    body = re.search(r"struct %s \{(.*?)\};" % name, SOURCE.read_text(), re.S).group(1)
+    return re.findall(r"\b(\w+);", re.sub(r"//[^\n]*", "", body))
+
+
+def test_params_match_the_cuda_struct_field_for_field():
+    assert [f[0] for f in sage_sm90._Params._fields_] == _c_struct_fields("Params")
+    assert ctypes.sizeof(sage_sm90._Params) == 112
+
+
+def test_every_entry_point_the_host_names_is_defined():
+    text = SOURCE.read_text()
+    kernels = set(re.findall(r"SAGE_SM90_KERNEL\(sage_sm90_d##D##_##DT##_(k\d+(?:_skip)?)", text))
+    instances = set(re.findall(r"SAGE_SM90_KERNELS\((\d+), (\w+),", text))
+    defined = {f"sage_sm90_d{d}_{dt}_{k}" for d, dt in instances for k in kernels}
+    assert set(sage_sm90.KERNEL_NAMES) == defined
+
+
+def test_key_order_is_the_mma_fragment_order():
+    """Position 4t + 2h + e of every aligned group of 16 holds key 8h + 2t + e: a bijection within each group."""
+    cols = torch.arange(64)
+    pos = mma_key_column.fn(cols)
+    assert sorted(pos.tolist()) == list(range(64))
+    assert ((pos // 16) == (cols // 16)).all()
+    for t in range(4):
+        for h in range(2):
+            for e in range(2):
+                assert int(pos[8 * h + 2 * t + e]) == 4 * t + 2 * h + e
+
+
+_ROUND_TRIP = """
+import itertools, torch
+from diffusers_trtllm.config import QuantConfig
+from diffusers_trtllm.kernels.triton_quant import sage_quantize_triton
+from diffusers_trtllm.layout import PackedLayout
+for lens, k_block, smooth_k in itertools.product([(1,), (37, 70), (16, 90, 5)], (1, 4, 16), (False, True)):
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    layout = PackedLayout.from_cu_seqlens(cu, cu, max(lens), max(lens), q_tokens=sum(lens), kv_tokens=sum(lens))
+    gen = torch.Generator().manual_seed(sum(lens))
+    q, k, v = (torch.randn(sum(lens), 2, 64, generator=gen) for _ in range(3))
+    quant = QuantConfig("int8", 1, k_block, smooth_k=smooth_k)
+    natural = sage_quantize_triton(q, k, v, layout, quant)
+    permuted = sage_quantize_triton(q, k, v, layout, quant, mma_key_order=True)
+    assert torch.equal(natural.v(layout), permuted.v(layout)), (lens, k_block)
+    # The gaps between sequences are zero in both (the kernel's last tile reads them with P = 0).
+    assert torch.equal(natural.vt.abs().sum(), permuted.vt.abs().sum()), (lens, k_block)
+print("ok")
+"""
+
+
+def test_quantized_v_reads_back_the_same_in_either_key_order():
+    """Under Triton's interpreter (set before triton is imported, so in a child process): V^T in the kernel's
+    key order holds the same values as in natural order, ragged batches and every K block size included."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", _ROUND_TRIP], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
+def _call(device="cpu", quant="int8", dim=128):
+    layout = PackedLayout.dense(1, 256, 256, device)
+    q = torch.zeros(256, 2, dim, dtype=torch.bfloat16)
+    return AttentionCall(q, q, q, layout, dim**-0.5, quant=QuantConfig(quant) if quant else None)
+
+
+def test_reasons_name_what_is_missing(monkeypatch):
+    route = sage_sm90.SageSm90Route()
+    assert any("cuda" in r for r in route.not_supported_reasons(_call()))
+    assert any("int8 SAGE only" in r for r in route.not_supported_reasons(_call(quant=None)))
+    assert any("dtype_qk=fp8_e4m3" in r for r in route.not_supported_reasons(_call(quant="fp8_e4m3")))
+    assert any("head dim 96" in r for r in route.not_supported_reasons(_call(dim=96)))
+    monkeypatch.setattr(cuda_jit, "find_nvcc", lambda: None)
+    assert any("needs nvcc" in r and "DIFFUSERS_TRTLLM_NVCC" in r for r in route.not_supported_reasons(_call()))
+    with pytest.raises(NoRouteError, match="sage-sm90: .*needs nvcc"):
+        select_route(_call(), "sage-sm90")
+
+
+def test_host_function_refuses_what_the_kernel_cannot_run():
+    call = _call()
+    with pytest.raises(ValueError, match="Hopper"):
+        sage_sm90.sage_sm90_attention(call.q, call.k, call.v, call.layout, softmax_scale=0.1, quant=QuantConfig("int8"))
+
+
+def test_compile_is_cached_by_source_flags_and_compiler(tmp_path, monkeypatch):
+    """A stand-in nvcc: the first build runs it, the same build again does not, other flags build anew."""
+    log = tmp_path / "calls"
+    fake = tmp_path / "nvcc"
+    fake.write_text(f"""#!/bin/sh
+if [ "$1" = "--version" ]; then echo "Cuda compilation tools, release 99.9"; exit 0; fi
+echo "$@" >> {log}
+while [ "$#" -gt 0 ]; do if [ "$1" = "-o" ]; then echo cubin > "$2"; fi; shift; done
+""")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("DIFFUSERS_TRTLLM_NVCC", str(fake))
+    monkeypatch.setenv("DIFFUSERS_TRTLLM_CACHE", str(tmp_path / "cache"))
+    cuda_jit._nvcc_version.cache_clear()
+    first = cuda_jit.compile_cubin(SOURCE, "90a")
+    again = cuda_jit.compile_cubin(SOURCE, "90a")
+    other = cuda_jit.compile_cubin(SOURCE, "90a", ("SAGE_SM90_STAGES=2",))
+    assert first == again != other and first.read_text() == "cubin\n"
+    assert len(log.read_text().splitlines()) == 2
+    assert "-DSAGE_SM90_STAGES=2" in log.read_text().splitlines()[1]
+
+
+def test_compile_error_says_which_file_and_why(tmp_path, monkeypatch):
+    fake = tmp_path / "nvcc"
+    fake.write_text('#!/bin/sh\nif [ "$1" = "--version" ]; then echo v; exit 0; fi\necho "error: boom" >&2; exit 1\n')
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("DIFFUSERS_TRTLLM_NVCC", str(fake))
+    monkeypatch.setenv("DIFFUSERS_TRTLLM_CACHE", str(tmp_path / "cache"))
+    cuda_jit._nvcc_version.cache_clear()
+    with pytest.raises(RuntimeError, match="nvcc failed to build sage_sm90.cu for sm_90a:\nerror: boom"):
+        cuda_jit.compile_cubin(SOURCE, "90a")
+
+
+@pytest.mark.skipif(cuda_jit.find_nvcc() is None, reason="needs nvcc")
+def test_kernel_builds_for_sm90a_without_spills_or_serialized_products(tmp_path):
+    """ptxas's report for the default K block sizes (16 and 4): no local memory, and no wgmma serialized
+    (C7510-C7520 'Potential Performance Loss'), which would cost the kernel most of its speed."""
+    res = subprocess.run([cuda_jit.find_nvcc(), "-cubin", "-gencode=arch=compute_90a,code=sm_90a", "-O3", "-std=c++17",
+                          "-Xptxas=-v", "-o", str(tmp_path / "k.cubin"), str(SOURCE)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    assert "Potential Performance Loss" not in res.stderr
+    report = dict(re.findall(r"Compiling entry function '(\w+)'.*?\n\s+(\d+) bytes stack frame", res.stderr, re.S))
+    assert set(report) == set(sage_sm90.KERNEL_NAMES)
+    spilling = {name for name, frame in report.items() if int(frame) and "_k1" not in name}
+    assert not spilling, f"local memory in {sorted(spilling)}"
