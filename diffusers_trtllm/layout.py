@@ -344,9 +344,11 @@ class LayoutCache:
     """Remembers the layout built for a mask tensor, so all layers of a forward share one sync.
 
     Entries are keyed by the mask object itself (held weakly, with its version
-    counter), so a freed or modified mask never returns a stale layout. Unmasked
-    (dense) layouts are kept per shape. Both hold at most ``max_entries``, oldest
-    dropped first.
+    counter), so a freed or modified mask never returns a stale layout. A tensor made
+    under ``torch.inference_mode()`` has no version counter: it is keyed by its storage
+    and shape instead (an in-place edit of one inside inference mode is not seen; pass a
+    new mask). Unmasked (dense) layouts are kept per shape. Both hold at most
+    ``max_entries``, oldest dropped first.
     """
 
     def __init__(self, max_entries: int = 8) -> None:
@@ -356,11 +358,12 @@ class LayoutCache:
 
     def get(self, mask: torch.Tensor, extra_key: Hashable, build: Callable[[], Any]) -> Any:
         key = (id(mask), extra_key)
+        version = _version(mask)
         hit = self._entries.get(key)
-        if hit is not None and hit[0]() is mask and hit[1] == mask._version:
+        if hit is not None and hit[0]() is mask and hit[1] == version:
             return hit[2]
         layout = build()
-        _bounded_put(self._entries, key, (weakref.ref(mask), mask._version, layout), self._max)
+        _bounded_put(self._entries, key, (weakref.ref(mask), version, layout), self._max)
         return layout
 
     def dense(self, batch: int, q_len: int, kv_len: int, device: torch.device) -> PackedLayout:
@@ -374,6 +377,14 @@ class LayoutCache:
 
     def __len__(self) -> int:
         return len(self._entries) + len(self._dense)
+
+
+def _version(tensor: torch.Tensor) -> Hashable:
+    """What changes when ``tensor`` is modified in place: its version counter, or for an inference tensor
+    (which has none) its storage and shape."""
+    if torch.is_inference(tensor):
+        return ("inference", tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()))
+    return tensor._version
 
 
 def _bounded_put(entries: dict, key: Hashable, value: Any, limit: int) -> None:

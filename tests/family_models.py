@@ -79,8 +79,10 @@ def _first_tensor(out: Any) -> torch.Tensor:
     return _first_tensor(out.sample)
 
 
-def check_family(name: str, processor_kwargs: dict | None = None) -> dict[str, Any]:
+def check_family(name: str, processor_kwargs: dict | None = None, grad_mode: Any = torch.no_grad) -> dict[str, Any]:
     """Run configuration ``name`` stock and with ``TrtllmAttnProcessor`` (dense): what was served.
+
+    ``grad_mode``: the context both runs are made in (``torch.inference_mode`` is what many users write).
 
     Counts softmax attention calls (``F.scaled_dot_product_attention`` and flex attention, wherever
     called) in the stock run, and in our run those served by our op and those that still ran stock.
@@ -112,12 +114,13 @@ def check_family(name: str, processor_kwargs: dict | None = None) -> dict[str, A
     F.scaled_dot_product_attention, flex.flex_attention = counted(originals[0]), counted(originals[1])
     LayerState.serve = serve
     try:
-        with torch.no_grad():
+        with grad_mode():
             stock = _first_tensor(model(**inputs))
-            stock_calls = counts["softmax"]
-            counts.update(softmax=0, served=0)
-            proc = TrtllmAttnProcessor(**(processor_kwargs or {}))
-            install(model, proc)
+        stock_calls = counts["softmax"]
+        counts.update(softmax=0, served=0)
+        proc = TrtllmAttnProcessor(**(processor_kwargs or {}))
+        install(model, proc)
+        with grad_mode():
             ours = _first_tensor(model(**inputs))
     finally:
         F.scaled_dot_product_attention, flex.flex_attention, LayerState.serve = originals

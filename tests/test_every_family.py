@@ -37,9 +37,10 @@ def test_every_exported_class_is_tested_or_listed():
     assert not missing, f"exported transformer classes with no tiny configuration and no reason: {sorted(missing)}"
 
 
+@pytest.mark.parametrize("grad_mode", [torch.no_grad, torch.inference_mode], ids=["no_grad", "inference_mode"])
 @pytest.mark.parametrize("name", sorted(family_models.configs()))
-def test_dense_equals_stock_and_every_softmax_call_is_served(name):
-    result = family_models.check_family(name)
+def test_dense_equals_stock_and_every_softmax_call_is_served(name, grad_mode):
+    result = family_models.check_family(name, grad_mode=grad_mode)
     torch.testing.assert_close(result["ours"], result["stock"], rtol=1e-5, atol=1e-5)
     outside, _ = family_models.STOCK_BY_DESIGN.get(name, (0, ""))
     assert result["unserved_calls"] == outside, result

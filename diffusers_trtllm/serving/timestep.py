@@ -163,12 +163,21 @@ class TimestepTracker:
         if tensor is None or self.normalizer is None:
             return self.value
         hit = self._cache
-        if hit is not None and hit[0]() is tensor and hit[1] == tensor._version:
-            return hit[2]
+        if hit is not None and hit[0]() is tensor:
+            return hit[1]
         t = self.normalizer(float(tensor.detach().max()))  # one sync per transformer forward
-        self._cache = (weakref.ref(tensor), tensor._version, t)
+        self._cache = (weakref.ref(tensor), t)
         self._observe(t)
         return t
+
+    def hand_over(self, tensor: torch.Tensor | None) -> None:
+        """The ``timestep`` tensor of the forward about to run (read once, by its first served call).
+
+        The reading is cached for that forward only, so no version counter is needed (tensors made
+        under ``torch.inference_mode()`` have none) and a tensor edited in place between two
+        forwards is read again."""
+        self.tensor = tensor
+        self._cache = None
 
     def _observe(self, t: float) -> None:
         """Advance the step when t changes; a rising t starts a new run."""
@@ -231,9 +240,9 @@ class _DenoiseTrackingHook(ModelHook):
         if timestep is None and self.timestep_index is not None and self.timestep_index < len(args):
             timestep = args[self.timestep_index]
         if isinstance(timestep, torch.Tensor):
-            self.tracker.tensor = timestep
+            self.tracker.hand_over(timestep)
         elif isinstance(timestep, (int, float)):
-            self.tracker.tensor = None
+            self.tracker.hand_over(None)
             self.tracker.publish(self.tracker.normalizer(float(timestep)))
         return args, kwargs
 
