@@ -36,7 +36,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as torch_F
 
-from .._logging import info_once
+from .._logging import info_once, warn_once
 from .parallel import Degrees, context_parallel_attention, served_degrees
 
 __all__ = [
@@ -238,44 +238,53 @@ def _positional_names(fn: Callable) -> tuple[str, ...]:
 
 
 def _servable_arguments(names: tuple[str, ...], args: tuple, kwargs: dict, query: torch.Tensor,
-                        key: torch.Tensor) -> Optional[dict]:
-    """``{"attn_mask", "scale", "parallel_config", "degrees"}`` if we serve this call, else None (it then runs
-    stock, unchanged); ``degrees``: the Ulysses and ring degrees of a context-parallel call (None: none)."""
+                        key: torch.Tensor) -> tuple[Optional[dict], str]:
+    """``({"attn_mask", "scale", "parallel_config", "degrees"}, "")`` if we serve this call, else ``(None, why)``
+    (it then runs stock, unchanged); ``degrees``: the Ulysses and ring degrees of a context-parallel call."""
     if torch.is_grad_enabled() and query.requires_grad:
-        return None
+        return None, "autograd is on (the inputs require grad) and our kernels have no backward"
     if len(args) > len(names):
-        return None
+        return None, "it passes more positional arguments than this version knows"
     given = dict(zip(names, args))
     given.update(kwargs)
     mask = given.get("attn_mask")
     if mask is not None and not isinstance(mask, torch.Tensor):
-        return None  # a flex-attention BlockMask and the like
+        return None, f"its mask is a {type(mask).__name__}, not a tensor"  # a flex-attention BlockMask and the like
     for name, value in given.items():
         if name in _MUST_BE:
             if value not in _MUST_BE[name] and not (name == "attention_kwargs" and not value):
-                return None
+                return None, f"{name}={value!r}"
         elif name not in _USED and name not in _IGNORED and value is not None and value is not False:
-            info_once(("unknown-argument", name),
-                      "diffusers_trtllm: attention called with %s=%r, which it does not know; that call runs stock.",
-                      name, value)
-            return None
+            return None, f"it passes {name}={value!r}, which this version does not know"
     parallel_config = given.get("parallel_config")
     degrees = None
     if parallel_config is not None:
         degrees = served_degrees(parallel_config)
         if degrees is None or key.shape[2] != query.shape[2]:  # uneven splits, GQA: Diffusers' own path
-            info_once(("context-parallel-stock",),
-                      "diffusers_trtllm: context parallelism with uneven splits (ulysses_anything, ring_anything) "
-                      "or grouped-query attention runs Diffusers' own attention; ContextParallelConfig("
-                      "ulysses_degree=..., ring_degree=...) is served.")
-            return None
+            return None, ("context parallelism with uneven splits (ulysses_anything, ring_anything) or grouped-query "
+                          "attention runs Diffusers' own attention; ContextParallelConfig(ulysses_degree=..., "
+                          "ring_degree=...) is served")
         if degrees.ring > 1 and mask is not None:  # Diffusers hands every KV shard the same mask
-            info_once(("ring-mask-stock",),
-                      "diffusers_trtllm: a masked attention call under ring attention runs Diffusers' own "
-                      "attention (every KV shard gets the same mask); unmasked calls and Ulysses are served.")
-            return None
+            return None, ("a masked call under ring attention runs Diffusers' own attention (every KV shard gets "
+                          "the same mask); unmasked calls and Ulysses are served")
     return {"attn_mask": given.get("attn_mask"), "scale": given.get("scale"), "parallel_config": parallel_config,
-            "degrees": degrees}
+            "degrees": degrees}, ""
+
+
+def _left_stock(state: Any, why: str) -> None:
+    """A call of a served layer that runs stock: recorded in its step table, and said once per cause.
+
+    Autograd is a warning (what was asked, skip-softmax or SAGE, not running would surprise); the other
+    causes (causal or dropout calls, flex masks, new arguments) are by design and logged at info."""
+    state.record_stock(why)
+    if why.startswith("autograd"):
+        warn_once(("stock-autograd",),
+                  "diffusers_trtllm: attention role %r (%s) runs the family's stock attention while %s; run inference "
+                  "under torch.no_grad() or torch.inference_mode() to use TrtllmAttnProcessor's kernels.",
+                  state.role, state.label, why)
+    else:
+        info_once(("stock-call", why), "diffusers_trtllm: attention role %r (%s) runs stock for calls where %s.",
+                  state.role, state.label, why)
 
 
 def _routed_dispatch(original: Callable) -> Callable:
@@ -284,14 +293,15 @@ def _routed_dispatch(original: Callable) -> Callable:
     def dispatch_attention_fn(query, key, value, *args, **kwargs):
         state = getattr(_CALL, "layer", None)
         if state is not None:
-            served = _servable_arguments(names, args, kwargs, query, key)
-            if served is not None and served["degrees"] is not None and served["degrees"].ring > 1 \
-                    and state.settings().mode == "stock":
-                served = None  # a ring shard needs our op's log-sum-exp: a stock role keeps Diffusers' ring
-            if served is not None and served["degrees"] is not None:
+            served, why = _servable_arguments(names, args, kwargs, query, key)
+            if served is None:
+                _left_stock(state, why)
+            elif served["degrees"] is not None and served["degrees"].ring > 1 and state.settings().mode == "stock":
+                pass  # a ring shard needs our op's log-sum-exp: a stock role keeps Diffusers' ring
+            elif served["degrees"] is not None:
                 return _route_parallel(state, query, key, value, served["attn_mask"], served["scale"],
                                        served["parallel_config"], served["degrees"])
-            if served is not None:
+            else:
                 return _route(state, query, key, value, served["attn_mask"], served["scale"], False)
         return original(query, key, value, *args, **kwargs)
 
@@ -313,8 +323,10 @@ def _routed_sdpa(query, key, value, *args, **kwargs):
     """``F.scaled_dot_product_attention`` (``[B, H, S, D]``) that routes while one of our layers runs here."""
     state = getattr(_CALL, "layer", None)
     if state is not None:
-        served = _servable_arguments(_SDPA_NAMES, args, kwargs, query, key)
-        if served is not None:
+        served, why = _servable_arguments(_SDPA_NAMES, args, kwargs, query, key)
+        if served is None:
+            _left_stock(state, why)
+        else:
             out = _route(state, query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
                          served["attn_mask"], served["scale"], True)
             return out.transpose(1, 2)

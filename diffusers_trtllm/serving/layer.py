@@ -269,11 +269,17 @@ class LayerState:
                 self, query[b:b + 1, rows], key[b:b + 1], value[b:b + 1], m, scale, via_sdpa)[0]
         return out
 
-    def _record(self, t: float | None, route: str, sparse: bool, sage: bool, result: Any) -> None:
+    def record_stock(self, why: str) -> None:
+        """Count a call that never reached our op (autograd on, a causal call, ...) as ``stock``, saying why."""
+        tensor = self.tracker.tensor if self.tracker is not None else None
+        self._record(self._timestep(tensor), "stock", False, False, None, note=why)
+
+    def _record(self, t: float | None, route: str, sparse: bool, sage: bool, result: Any, note: str | None = None) -> None:
         step = self.tracker.count_call() if self.tracker is not None else None
         self.calls += 1
         self.stats.add(
             self.tracker.run if self.tracker is not None else None,
             self.calls - 1 if step is None else step, t, route, sparse, sage,
-            getattr(result, "skipped_tiles", None), getattr(result, "total_tiles", None), getattr(result, "note", None),
+            getattr(result, "skipped_tiles", None), getattr(result, "total_tiles", None),
+            note or getattr(result, "note", None),
         )
