@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .._logging import logger
+from .._logging import info_once, logger
 from . import intercept
 from .layer import detach_layer, layer_of
 from .timestep import tracker_of
@@ -77,6 +77,14 @@ def patch_diffusers(ours: type) -> None:
         @functools.wraps(original)
         def set_processor(self, processor, _original=original):
             replaced = getattr(self, "processor", None)
+            if isinstance(replaced, ours) and layer_of(self) is not None and _is_fused(self, processor):
+                # fuse_qkv_projections() after install: the fused processor does this layer's projections
+                # from now on, and ours keeps serving its attention.
+                replaced.bind(self, replaced=processor)
+                info_once(("fused", type(processor).__name__),
+                          "TrtllmAttnProcessor: %s now does the fused projections; the attention calls stay served.",
+                          type(processor).__name__)
+                return
             _original(self, processor)
             if isinstance(processor, ours):
                 processor.bind(self, replaced=replaced)
@@ -103,6 +111,12 @@ def patch_diffusers(ours: type) -> None:
 
     _WRAPPED.append((AttentionMixin, "set_attn_processor", original_set))
     AttentionMixin.set_attn_processor = set_attn_processor
+
+
+def _is_fused(module: torch.nn.Module, processor: Any) -> bool:
+    """Whether ``processor`` is Diffusers' fused-projection variant handed to a module whose projections
+    ``fuse_qkv_projections()`` just fused (SD3, CogVideoX, HunyuanDiT, AuraFlow, PixArt)."""
+    return bool(getattr(module, "fused_projections", False)) and type(processor).__name__.startswith("Fused")
 
 
 def unpatch_diffusers() -> None:
