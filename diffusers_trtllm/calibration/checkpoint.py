@@ -185,17 +185,26 @@ def read_calibration(source: str | os.PathLike | Mapping[str, Any]) -> Mapping[s
         path = os.path.join(path, "config.json")
     if not os.path.isfile(path):
         raise ValueError(f"calibration file {path!r} does not exist; pass a JSON file, a model directory or a dict.")
-    try:
-        with open(path, encoding="utf-8") as f:
-            loaded = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"calibration file {path!r} could not be read as UTF-8 JSON: {err}") from err
+    loaded = _read_json(path)
     if not isinstance(loaded, Mapping):
         raise ValueError(
             f"calibration file {path!r} holds {json.dumps(loaded)[:40]} ({type(loaded).__name__}); expected a JSON "
             'object with "sparse_attention_config" or "config_groups".'
         )
     return loaded
+
+
+def _read_json(path: str) -> Any:
+    """A JSON file's content; a ``ValueError`` naming the file for anything that stops reading it (including
+    nesting too deep for the parser and integers beyond Python's digit limit)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except RecursionError:
+        raise ValueError(f"calibration file {path!r} is nested too deeply to read as JSON; a calibration is a few "
+                         "levels of objects.") from None
+    except (OSError, ValueError) as err:  # ValueError: JSON syntax, UTF-8, Python's integer digit limit
+        raise ValueError(f"calibration file {path!r} could not be read as UTF-8 JSON: {err}") from None
 
 
 def _own_config(transformer: torch.nn.Module) -> Mapping[str, Any] | None:
@@ -344,9 +353,10 @@ def save_calibration(calibration: Any, path: str | os.PathLike) -> str:
             if not os.path.isfile(target):
                 raise ValueError(f"{target} does not exist; pass a checkpoint folder saved with save_pretrained, "
                                  "or a .json file path.")
-            with open(target, encoding="utf-8") as f:
-                on_disk = json.load(f)
-            on_disk["sparse_attention_config"] = read_calibration(section)["sparse_attention_config"]
+            on_disk = _read_json(target)
+            section = read_calibration(section)
+            on_disk["sparse_attention_config"] = section.get("sparse_attention_config", section)
+            parse_sparse_attention_config(on_disk)  # what we write, we can read
             _write_json(on_disk, target)
         return path
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
