@@ -45,11 +45,12 @@ def resolve_skip_factor(
         return None
     if skip.gated and timestep is None:
         warn_once(
-            ("no-timestep", role),
-            "skip-softmax: disabled_until_timestep=%s is set but no denoising timestep is known, so "
-            "attention stays dense. Publish it with DenoiseStepCallback (pipe(..., "
+            ("no-timestep",),
+            "skip-softmax: disabled_until_timestep=%s is set but no denoising timestep is known (first seen on "
+            "attention role %r), so attention stays dense. Publish it with DenoiseStepCallback (pipe(..., "
             "callback_on_step_end=DenoiseStepCallback(proc))) or attach_denoise_tracking(pipe, proc).",
             skip.disabled_until_timestep,
+            role,
         )
         return None
     if not skip.active_at(timestep):
@@ -219,12 +220,13 @@ def run_attention(
             name for name, on in (("skip-softmax", call.skip_factor is not None), ("SAGE", call.quant is not None)) if on
         )
         warn_once(
-            ("fallback-dense", role, dropped, route.name),
-            "fallback='dense': running %s attention dense on route %r without %s, because:\n%s",
-            role,
+            ("fallback-dense", dropped, route.name),
+            "fallback='dense': attention runs dense on route %r without %s (first seen on attention role %r); "
+            "no route runs them here: %s.",
             route.name,
             dropped,
-            err,
+            role,
+            _why_not(err),
         )
         call = dense
     result = route.run(call)
@@ -232,6 +234,13 @@ def run_attention(
     if result.lse is not None:
         result.lse = layout.unpack_q(result.lse[..., None])[..., 0]
     return layout.unpack_q(result.out), result
+
+
+def _why_not(err: NoRouteError) -> str:
+    """One line: why the routes that offer the dropped features cannot serve the call."""
+    lacking = ("no skip-softmax", "no SAGE")
+    offering = {name: r for name, r in err.reasons.items() if r and not any(x.startswith(lacking) for x in r)}
+    return "; ".join(f"{name}: {r[0]}" for name, r in offering.items()) or "no route offers it"
 
 
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs) -> torch.Tensor:
