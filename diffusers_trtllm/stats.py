@@ -97,12 +97,15 @@ class LayerStats:
         self.run: int | None = None
         self._steps: "OrderedDict[int, StepRecord]" = OrderedDict()
 
-    def add(self, run: int | None, step: int, t: float | None, route: str, sparse: bool, sage: bool,
+    def add(self, run: int | None, step: int | None, t: float | None, route: str, sparse: bool, sage: bool,
             skipped_tiles: int | None = None, total_tiles: int | None = None, note: str | None = None) -> None:
-        """Count one call at ``step`` of ``run`` (a new run forgets the previous one)."""
+        """Count one call at ``step`` of ``run`` (a new run forgets the previous one); ``step`` None (no timestep
+        known): the call is the next step of the run."""
         if run != self.run:
             self._steps.clear()
             self.run = run
+        if step is None:
+            step = next(reversed(self._steps)) + 1 if self._steps else 0
         record = self._steps.get(step)
         if record is None:
             record = self._steps[step] = StepRecord(step, t)
@@ -188,15 +191,19 @@ def rank_lines() -> list[str]:
 def format_step_table(rows: list[dict[str, Any]], layers: Iterable[Any] | None = None) -> str:
     """``step_table`` rows as aligned text; with ``layers``, a first line says where the settings came from.
     Under several processes a line first says the table is this rank's."""
+    if not rows:
+        return "\n".join(rank_lines() + ["nothing ran yet: no attention call has reached this processor "
+                                          "(install(pipe, proc), then run the pipeline)."])
     lines = rank_lines() + ([_sources_line(layers)] if layers is not None else [])
-    lines.append(f"{'step':>4}  {'t':>6}  {'attention':<13}  {'skipped':>7}  {'SAGE':<8}  route")
-    for row in rows:
+    sages = [row.get("sage_dtype") or ("on" if row["sage"] else "off") for row in rows]
+    width = max(map(len, sages + ["SAGE"]))
+    lines.append(f"{'step':>4}  {'t':>6}  {'attention':<13}  {'skipped':>7}  {'SAGE':<{width}}  route")
+    for row, sage in zip(rows, sages):
         t = "   n/a" if row["t"] is None else f"{row['t']:6.3f}"
         skipped = "    n/a" if row["skipped_fraction"] is None else f"{row['skipped_fraction']:7.1%}"
         mode = "dense (gated)" if row.get("gated") else row["mode"]
-        sage = row.get("sage_dtype") or ("on" if row["sage"] else "off")
         policy = f"  ({row['policy']})" if row.get("policy") else ""
-        lines.append(f"{row['step']:>4}  {t}  {mode:<13}  {skipped}  {sage:<8}  {row['routes']}{policy}")
+        lines.append(f"{row['step']:>4}  {t}  {mode:<13}  {skipped}  {sage:<{width}}  {row['routes']}{policy}")
     return "\n".join(lines)
 
 

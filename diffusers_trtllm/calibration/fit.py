@@ -360,7 +360,7 @@ def calibrate(
             pipe(**kwargs)
     finally:
         if not tracked:
-            detach_denoise_tracking(pipe)
+            detach_denoise_tracking(pipe, by_user=False)
         for attr, processors in previous.items():
             transformers[attr].set_attn_processor(processors)
     measurements = sorted(recorder.cells.values(), key=lambda m: (m.transformer, m.step))

@@ -50,6 +50,7 @@ def install(target: Any, processor: TrtllmAttnProcessor) -> Any:
             put_processor(module, processor)
             served += 1
         tracker = tracker_of(module_root, tracker)
+    tracker.reset()  # this processor's statistics start at step 0
     if not served:
         raise ValueError(f"{type(target).__name__} has no attention module (no module with a `processor`) to serve.")
     logger.debug("TrtllmAttnProcessor installed on %d attention modules of %s", served, type(target).__name__)

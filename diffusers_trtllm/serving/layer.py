@@ -91,7 +91,15 @@ class LayerState:
         self.hidden_index: int | None = None
         self.encoder_index: int | None = None
         self._settings: "Settings | None" = None
+        self.register()
+
+    def register(self) -> None:
+        """A fresh key under which the custom op finds this state (it serves from now on)."""
         self.key = intercept.register_layer(self)
+
+    def unregister(self) -> None:
+        """Stop serving: the op no longer finds this state (its records stay readable)."""
+        intercept.unregister_layer(self.key)
 
     # ---- copies and pickling: a copy is registered on its own ---------------------------------
     def __getstate__(self) -> dict:
@@ -100,7 +108,7 @@ class LayerState:
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self._settings = None
-        self.key = intercept.register_layer(self)
+        self.register()
         if self.stock is not None and self.mode is not None:
             intercept.ensure_routing(self.stock)
         self.processor.adopt(self)
@@ -135,6 +143,13 @@ class LayerState:
         self.mask_params = tuple((i, p) for i, p in enumerate(params) if "mask" in p)
         self.hidden_index = params.index("hidden_states") if "hidden_states" in params else (0 if params else None)
         self.encoder_index = params.index("encoder_hidden_states") if "encoder_hidden_states" in params else None
+
+    def take_over(self, previous: "LayerState") -> None:
+        """Carry what belongs to the module, not to a processor, from the state that served it until now:
+        its name, role, stock processor, timestep tracker and calibration (the records stay behind)."""
+        for attr in ("name", "role", "role_observed", "stock", "reason", "tracker", "calibration", "ignored"):
+            setattr(self, attr, getattr(previous, attr))
+        self.refresh()
 
     def rename(self, name: str, module: torch.nn.Module) -> None:
         self.name = name
@@ -215,15 +230,16 @@ class LayerState:
 
     def _ungated_skip(self, skip: SkipSoftmaxConfig) -> SkipSoftmaxConfig | None:
         """Gated skip-softmax with no known t: say why once, then run dense (never a stale t)."""
-        if self.tracker is not None and self.tracker.detached:
-            warn_once(("detached", id(self.tracker)),
-                      "TrtllmAttnProcessor: denoise tracking was detached, so no timestep is known and gated "
-                      "skip-softmax runs dense; attach_denoise_tracking(pipe) again to gate it.")
-            return None
         if self.processor.step_callback_attached:
             info_once(("first-step-dense", id(self.processor)),
                       "DenoiseStepCallback publishes t after each step, so the first step runs dense; "
                       "attach_denoise_tracking(pipe, proc) knows t before every step.")
+            return None
+        if self.tracker is not None and self.tracker.detached:
+            warn_once(("detached", id(self.tracker)),
+                      "TrtllmAttnProcessor: denoise tracking was detached, so no timestep is known and gated "
+                      "skip-softmax runs dense (attention role %r); attach_denoise_tracking(pipe) again to gate it.",
+                      self.role)
             return None
         return skip  # resolve_skip_factor warns once and runs dense
 
@@ -278,8 +294,7 @@ class LayerState:
         step = self.tracker.count_call() if self.tracker is not None else None
         self.calls += 1
         self.stats.add(
-            self.tracker.run if self.tracker is not None else None,
-            self.calls - 1 if step is None else step, t, route, sparse, sage,
+            self.tracker.run if self.tracker is not None else None, step, t, route, sparse, sage,
             getattr(result, "skipped_tiles", None), getattr(result, "total_tiles", None),
             note or getattr(result, "note", None),
         )

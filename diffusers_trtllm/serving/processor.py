@@ -156,11 +156,14 @@ class TrtllmAttnProcessor:
 
     def _init_runtime(self) -> None:
         self._layers: "weakref.WeakSet[LayerState]" = weakref.WeakSet()
+        #: States of modules this processor served until another processor (or ``uninstall``) took them,
+        #: by module: they keep this processor's statistics, and serve again if the module comes back.
+        self._retired: "weakref.WeakKeyDictionary[torch.nn.Module, LayerState]" = weakref.WeakKeyDictionary()
         self._layouts = LayoutCache()
 
     # ---- copies and pickling: layers re-register themselves on restore -------------------------
     def __getstate__(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k not in ("_layers", "_layouts")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_layers", "_retired", "_layouts")}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -171,9 +174,12 @@ class TrtllmAttnProcessor:
         """Serve ``state`` (a layer restored from a copy or a pickle)."""
         self._layers.add(state)
 
-    def release(self, state: LayerState) -> None:
-        """Stop serving ``state`` (its module was uninstalled or took another processor)."""
+    def release(self, module: torch.nn.Module, state: LayerState) -> None:
+        """Stop serving ``state`` (``module`` was uninstalled or took another processor); its records stay in this
+        processor's tables until it serves the module again."""
         self._layers.discard(state)
+        state.unregister()
+        self._retired[module] = state
 
     @property
     def layouts(self) -> LayoutCache:
@@ -251,16 +257,21 @@ class TrtllmAttnProcessor:
     # ---- binding ----------------------------------------------------------------------
     def bind(self, module: torch.nn.Module, replaced: Any = None, name: str | None = None) -> LayerState:
         """Attach per-layer state to ``module`` (done on install; lazily otherwise)."""
-        state = layer_of(module)
+        previous = layer_of(module)
         if isinstance(replaced, TrtllmAttnProcessor):
             replaced = None
-        if state is None:
-            state = LayerState(self, name=name)
+        state = previous
+        if previous is None or previous.processor is not self:
+            # A module this processor served before gets its old state (and statistics) back.
+            state = self._retired.pop(module, None)
+            if state is not None:
+                state.register()
+            else:
+                state = LayerState(self, name=name)
+            if previous is not None:
+                state.take_over(previous)
+                previous.processor.release(module, previous)
             attach_layer(module, state)
-        elif state.processor is not self:
-            state.processor.release(state)
-            state.stats.clear()
-            state.processor = self
         if name is not None:
             state.name = name
         if replaced is not None:
@@ -285,6 +296,11 @@ class TrtllmAttnProcessor:
     def layers(self) -> list[LayerState]:
         """States of the layers this processor serves, in binding order."""
         return sorted(self._layers, key=lambda s: int(s.key))
+
+    def _recorded_layers(self) -> list[LayerState]:
+        """The layers whose calls this processor's tables show: those it serves, and those it served until
+        another processor or ``uninstall`` took them."""
+        return self.layers + sorted(self._retired.values(), key=lambda s: int(s.key))
 
     def settings_for(self, state: LayerState) -> Settings:
         """What ``state``'s layer runs: its role's settings, with its calibration (or ``ignore``) applied."""
@@ -325,7 +341,7 @@ class TrtllmAttnProcessor:
     # ---- statistics ----------------------------------------------------------------------
     def reset_stats(self) -> None:
         """Forget recorded calls and restart the step count (a new pipeline run)."""
-        for state in list(self._layers):
+        for state in self._recorded_layers():
             state.stats.clear()
             state.calls = 0
         for tracker in self._trackers():
@@ -333,24 +349,24 @@ class TrtllmAttnProcessor:
 
     def step_table(self) -> list[dict[str, Any]]:
         """Per step: t, dense or sparse (``gated``: dense because of the timestep), skipped tiles, SAGE, routes."""
-        return stats.step_table(self.layers)
+        return stats.step_table(self._recorded_layers())
 
     def layer_step_rows(self) -> list[dict[str, Any]]:
         """Per layer and step: layer, role, step, t, route, sparse, skipped fraction, SAGE, calls."""
-        return stats.layer_step_rows(self.layers)
+        return stats.layer_step_rows(self._recorded_layers())
 
     def format_step_table(self) -> str:
         """The step table as text, with where the settings came from on top."""
-        return stats.format_step_table(self.step_table(), self.layers)
+        return stats.format_step_table(self.step_table(), self._recorded_layers())
 
     def summary(self) -> list[dict[str, Any]]:
         """Per layer and step: what ran (``dense (gated)`` too), skipped fraction, the SAGE dtype that ran,
         route, and where each setting came from; ``pandas.DataFrame(proc.summary())`` makes it a table."""
-        return stats.summary(self.layers)
+        return stats.summary(self._recorded_layers())
 
     def plot(self, path: str, title: str | None = None) -> str:
         """Heatmap of the skipped-tile fraction, layers x steps, saved to ``path`` (needs matplotlib)."""
-        return stats.plot(self.layers, path, title)
+        return stats.plot(self._recorded_layers(), path, title)
 
     def __repr__(self) -> str:
         s, q = self._role_settings["self"], self._role_settings["self"].quant

@@ -39,8 +39,7 @@ def drop_layer(module: torch.nn.Module, restore: bool, ours: type) -> None:
     state = detach_layer(module)
     if state is None:
         return
-    state.processor.release(state)
-    intercept.unregister_layer(state.key)
+    state.processor.release(module, state)
     if restore and isinstance(getattr(module, "processor", None), ours):
         if state.stock is None:
             raise RuntimeError(f"{type(module).__name__} has no recorded stock processor to restore ({state.reason}).")
@@ -107,7 +106,7 @@ def patch_diffusers(ours: type) -> None:
                 state.rename(name, module)
                 served = True
         if served:
-            tracker_of(self)
+            tracker_of(self).reset()  # this processor's statistics start at step 0
 
     _WRAPPED.append((AttentionMixin, "set_attn_processor", original_set))
     AttentionMixin.set_attn_processor = set_attn_processor

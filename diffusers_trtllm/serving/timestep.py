@@ -140,12 +140,16 @@ class TimestepTracker:
         self.normalizer: TimestepNormalizer | None = None
         self.value: float | None = None
         self.detached = False
-        #: Run counter: bumped when t rises (a new pipeline run), so layer statistics restart.
+        #: Run counter: bumped when t rises or a run ended (a new pipeline run), so layer statistics restart.
         self.run = 0
         self.step = 0
         self._calls_in_step = 0
         self._last_t: float | None = None
         self._cache: tuple | None = None
+        #: A callback or ``set_timestep`` has published a ``t`` (so steps are counted, not calls).
+        self._published = False
+        #: The callback saw a run's last step: the next call starts a new run at step 0.
+        self._run_ended = False
 
     def __getstate__(self) -> dict:
         # The tensor and its cache belong to a forward in flight.
@@ -154,8 +158,20 @@ class TimestepTracker:
     def publish(self, t: float | None) -> None:
         """A normalized ``t`` for the next forwards (callback or user), or None for "unknown"."""
         self.value = t
+        self._published = True
+        self.detached = False  # a timestep source is back
         if t is not None:
             self._observe(t)
+
+    def end_run(self) -> None:
+        """The run's last step is done (the callback knows no next ``t``): the next call is step 0 of a new run."""
+        self.publish(None)
+        self._run_ended = True
+
+    def _start_run_if_ended(self) -> None:
+        if self._run_ended:
+            self._run_ended = False
+            self.reset()
 
     def read(self, tensor: torch.Tensor | None) -> float | None:
         """``t`` of the forward in flight: from the hook's tensor (the largest entry: per-token timesteps
@@ -181,6 +197,7 @@ class TimestepTracker:
 
     def _observe(self, t: float) -> None:
         """Advance the step when t changes; a rising t starts a new run."""
+        self._start_run_if_ended()
         last = self._last_t
         if last is not None and t > last + 1e-6:
             self.reset()
@@ -191,13 +208,14 @@ class TimestepTracker:
 
     def count_call(self) -> int | None:
         """Count one served call; its step, or None when no timestep was ever seen (untimed)."""
+        self._start_run_if_ended()
         self._calls_in_step += 1
         return self.step if self.timed else None
 
     @property
     def timed(self) -> bool:
         """Whether a timestep source is attached (hook) or was ever published (callback)."""
-        return self.normalizer is not None or self._last_t is not None
+        return self.normalizer is not None or self._published
 
     def reset(self) -> None:
         """Start a new run: step 0, statistics of its layers start afresh."""
@@ -206,11 +224,14 @@ class TimestepTracker:
         self._calls_in_step = 0
         self._last_t = None
 
-    def detach(self) -> None:
+    def detach(self, by_user: bool = True) -> None:
+        """Forget the hook's source; ``by_user``: the user detached it (gated layers then say so once), else
+        the tracker is as if never attached (``calibrate()`` removing the hook it added)."""
         self.tensor = None
         self.normalizer = None
         self.value = None
-        self.detached = True
+        self.detached = by_user
+        self.reset()
 
 
 TRACKER_ATTR = "_trtllm_tracker"
@@ -275,13 +296,14 @@ def attach_denoise_tracking(target: Any, processor: Any = None, timestep_divisor
     return target
 
 
-def detach_denoise_tracking(target: Any) -> None:
-    """Remove the hooks ``attach_denoise_tracking`` added; gated layers then run dense (one warning)."""
+def detach_denoise_tracking(target: Any, by_user: bool = True) -> None:
+    """Remove the hooks ``attach_denoise_tracking`` added; gated layers then run dense (one warning, unless
+    ``DenoiseStepCallback`` publishes ``t``). ``by_user=False``: no warning (a library removing its own hook)."""
     for transformer in target_modules(target, "track").values():
         _remove_hook(transformer)
         tracker = transformer.__dict__.get(TRACKER_ATTR)
         if tracker is not None:
-            tracker.detach()
+            tracker.detach(by_user)
 
 
 def _remove_hook(transformer: torch.nn.Module) -> None:
@@ -338,7 +360,10 @@ class DenoiseStepCallback(PipelineCallback):
             tracker = tracker_of(transformers[0])
             for transformer in transformers[1:]:
                 tracker_of(transformer, tracker)
-            tracker.publish(t_next)
+            if t_next is None:
+                tracker.end_run()
+            else:
+                tracker.publish(t_next)
         else:
             self.processor.set_timestep(t_next)
         if self.on_step is not None:
