@@ -1,33 +1,65 @@
-"""TRT-LLM attention kernels (skip-softmax sparsity, SAGE quantization) for Hugging Face Diffusers."""
+"""TRT-LLM attention kernels (skip-softmax sparsity, SAGE quantization) for Hugging Face Diffusers.
 
-from .attention import attention, run_attention
-from .calibration import SparsityCalibration, calibrate, load_calibration, save_calibration
-from .config import ControlTypeError, QuantConfig, SkipSoftmaxConfig
-from .layout import MaskNotSupportedError, PackedLayout
-from .routing import NoRouteError, route_names
-from .serving import install, uninstall
-from .serving.processor import TrtllmAttnProcessor
-from .serving.timestep import DenoiseStepCallback, attach_denoise_tracking, detach_denoise_tracking
+The public names load on first use (PEP 562), so ``python -m diffusers_trtllm --help`` and the
+command line's argument checks answer before torch and Diffusers are imported.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from typing import Any
+
 from .version import __version__
 
-__all__ = [
-    "attention",
-    "run_attention",
-    "QuantConfig",
-    "SkipSoftmaxConfig",
-    "PackedLayout",
-    "ControlTypeError",
-    "MaskNotSupportedError",
-    "NoRouteError",
-    "route_names",
-    "TrtllmAttnProcessor",
-    "install",
-    "uninstall",
-    "DenoiseStepCallback",
-    "attach_denoise_tracking",
-    "detach_denoise_tracking",
-    "load_calibration",
-    "save_calibration",
-    "calibrate",
-    "SparsityCalibration",
-]
+#: Public name -> the module that defines it.
+_EXPORTS = {
+    "attention": "attention",
+    "run_attention": "attention",
+    "QuantConfig": "config",
+    "SkipSoftmaxConfig": "config",
+    "ControlTypeError": "config",
+    "PackedLayout": "layout",
+    "MaskNotSupportedError": "layout",
+    "NoRouteError": "routing",
+    "route_names": "routing",
+    "TrtllmAttnProcessor": "serving.processor",
+    "install": "serving",
+    "uninstall": "serving",
+    "DenoiseStepCallback": "serving.timestep",
+    "attach_denoise_tracking": "serving.timestep",
+    "detach_denoise_tracking": "serving.timestep",
+    "load_calibration": "calibration",
+    "save_calibration": "calibration",
+    "calibrate": "calibration",
+    "SparsityCalibration": "calibration",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+class _Package(types.ModuleType):
+    """The package module: importing a submodule that shares a public name (``attention``) keeps the name's
+    function, as an eager ``from .attention import attention`` did."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _EXPORTS and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

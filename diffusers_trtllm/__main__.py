@@ -6,7 +6,8 @@ encoders) whose attention is made local so skip-softmax has tiles to skip, run o
 three times (dense; skip-softmax; skip-softmax + SAGE, the last two on the ``reference``
 route). It saves ``outputs/comparison.png`` (images, difference maps, rel-L1 and skipped
 fraction) and ``outputs/sparsity.png`` (skipped fraction per layer and step), and prints
-per-step tables. ``--model ID`` runs a real pipeline on a GPU with the chosen settings.
+per-step tables. Its wall times are the CPU running reference code, not a measure of speed.
+``--model ID`` runs a real pipeline on a GPU with the chosen settings.
 
 ``python -m diffusers_trtllm calibrate --model ID --prompts FILE --out calib.json`` measures
 where skip-softmax would skip and writes a ModelOpt ``sparse_attention_config``; without
@@ -16,30 +17,36 @@ where skip-softmax would skip and writes a ModelOpt ``sparse_attention_config``;
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
-from typing import Any
+import tempfile
+from typing import Any, Callable, NoReturn
 
-import torch
+# Only what answers --help and checks the arguments is imported here: torch and Diffusers load once the
+# arguments are known to be good (``python -m diffusers_trtllm --help`` answers in well under 2 s).
+from .config import CPU_ROUTES, GROUP_BY, POLICIES, ROUTE_NAMES, SkipSoftmaxConfig, check_fit_range
+from .demo import DEMO_MAX_SIZE, DEMO_SIZE
 
-from . import SkipSoftmaxConfig, TrtllmAttnProcessor, calibrate, load_calibration, save_calibration
-from .calibration.fit import GROUP_BY
-from .demo import DEMO_SIZE, build_demo_pipeline, comparison_image, generate, image_rel_l1, install, latent_difference
-from .measure import cosine, rel_l1
-from .routing.policy import POLICIES
-from .stats import format_summary
-
+PROG = "python -m diffusers_trtllm"
 #: Defaults the README quotes; ``--help`` shows them.
 DEFAULT_THRESHOLD = 0.2
 DEFAULT_GATE = 0.9
 DEFAULT_PROMPT = "A cat holding a sign that says hello world"
+#: What the demo's timings are, printed with them.
+TIMING_NOTE = ("wall times are the CPU running the reference route (a PyTorch oracle of the GPU kernels): "
+               "they say nothing of speed; the GPU kernels' speed is in docs/performance.md")
 
 
-def _difference(latents: torch.Tensor, dense: torch.Tensor) -> str:
+def _difference(latents: Any, dense: Any) -> str:
+    from .measure import cosine, rel_l1
+
     return f"final latents rel-L1 {rel_l1(latents, dense):.2e}, cosine {cosine(latents, dense):.6f}"
 
 
-def _processor(args: argparse.Namespace, skip: bool, sage: bool, backend: str) -> TrtllmAttnProcessor:
+def _processor(args: argparse.Namespace, skip: bool, sage: bool, backend: str) -> Any:
+    from .serving.processor import TrtllmAttnProcessor
+
     quant = {"dtype_qk": args.quant} if sage and args.quant != "none" else None
     return TrtllmAttnProcessor(
         skip_softmax_threshold=args.threshold if skip and args.target_sparsity is None else None,
@@ -61,6 +68,8 @@ def _skipped(table: list[dict]) -> float | None:
 
 def _demo_calibration(pipe: Any, inputs: dict, args: argparse.Namespace) -> Any:
     """``--calibration`` if given; otherwise calibrate the tiny pipeline now (it takes a second)."""
+    from .calibration import calibrate
+
     if args.calibration:
         return args.calibration
     print("--target-sparsity without --calibration: calibrating the tiny pipeline first "
@@ -74,6 +83,11 @@ def _demo_calibration(pipe: Any, inputs: dict, args: argparse.Namespace) -> Any:
 
 def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     """Offline CPU demo on a tiny random Flux pipeline with local attention; returns images and tables."""
+    from .measure import rel_l1
+    from .calibration import load_calibration
+    from .demo import build_demo_pipeline, comparison_image, generate, image_rel_l1, install, latent_difference
+    from .stats import format_summary
+
     pipe, inputs = build_demo_pipeline(args.seed)
     inputs.update(height=args.height or DEMO_SIZE, width=args.width or DEMO_SIZE)
     backend = args.backend if args.backend != "auto" else "reference"
@@ -100,7 +114,7 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
                 else f"skip_softmax_threshold={args.threshold}")
     panels = []
     for label, res in results.items():
-        print(f"\n== {label} ({res['seconds']:.2f} s): {res['processor']} ==\n{res['text']}")
+        print(f"\n== {label} ({res['seconds']:.2f} s of CPU wall time): {res['processor']} ==\n{res['text']}")
         lines = [f"route {','.join(sorted({r['routes'] for r in res['table']}))}"]
         if label != "dense":
             res["difference"] = _difference(res["latents"], dense["latents"])
@@ -119,6 +133,7 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
              f"attention made local so tiles can be skipped; {skip_how}, "
              f"disabled_until_timestep={args.disabled_until_timestep}, {args.steps} steps, CPU")
     path = comparison_image(panels, os.path.join(args.out, "comparison.png"), title)
+    print(f"\nNote: the {TIMING_NOTE}.")
     print(f"\nsaved {path}")
     results["path"] = path
     try:
@@ -131,10 +146,14 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
 
 def run_model(args: argparse.Namespace) -> None:
     """A real pipeline on a GPU: the chosen settings (and a dense run with --compare)."""
+    import torch
     from diffusers import DiffusionPipeline
 
+    from .calibration import load_calibration
+    from .demo import comparison_image, generate, image_rel_l1, install
+
     if not torch.cuda.is_available():
-        sys.exit("--model needs a CUDA GPU (the CPU demo runs without --model).")
+        raise RuntimeError("--model needs a CUDA GPU (the CPU demo runs without --model).")
     pipe = DiffusionPipeline.from_pretrained(args.model, torch_dtype=torch.bfloat16).to("cuda")
     inputs: dict[str, Any] = {"prompt": args.prompt or DEFAULT_PROMPT}
     if args.height:
@@ -173,7 +192,14 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescrip
     """Shows defaults and keeps the module docstring's line breaks."""
 
 
-def _checked(convert: Any, check: Any) -> Any:
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line error: what was wrong and what to do, exit status 2, no usage dump."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the options)\n")
+
+
+def _checked(convert: Callable[[str], Any], check: Callable[[Any], Any]) -> Callable[[str], Any]:
     """An argparse ``type``: ``convert`` the text, then ``check`` it with the library's own validation."""
 
     def parse(text: str):
@@ -196,17 +222,47 @@ def _positive(value: int) -> None:
         raise ValueError("must be >= 1")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from .routing import route_names
+def _given(argv: list[str], flag: str) -> bool:
+    """Whether ``flag`` is on the command line (the parsers take no abbreviations)."""
+    return any(a == flag or a.startswith(flag + "=") for a in argv)
 
-    p = argparse.ArgumentParser(prog="python -m diffusers_trtllm", description=__doc__, formatter_class=_HelpFormatter)
+
+def _writable_directory(path: str) -> str | None:
+    """Why nothing can be written into directory ``path`` (made if missing), or None: a file is written there
+    and removed, the only check that holds whoever runs it."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as err:
+        return err.strerror or str(err)
+    return None
+
+
+def _check_offline_size(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    for name in ("height", "width"):
+        value = getattr(args, name)
+        if value is not None and (value % 16 or value > DEMO_MAX_SIZE):
+            p.error(f"argument --{name}: the offline pipeline takes a multiple of 16 up to {DEMO_MAX_SIZE} (CPU time "
+                    f"grows with the square of the token count); got {value}")
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--seed", type=_checked(int, lambda v: None), default=0, help="random seed")
+    p.add_argument("--debug", action="store_true", help="show the traceback of an error, not just its line")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The demo's arguments, every value checked before any model is built (an error exits with status 2)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    p = _Parser(prog=PROG, description=__doc__, formatter_class=_HelpFormatter, allow_abbrev=False)
     p.add_argument("--model", help="Hugging Face model id or path (GPU); omit for the offline CPU demo")
     p.add_argument("--prompt", default=None,
                    help=f"with --model (None: {DEFAULT_PROMPT!r}); the offline demo has no text encoder")
     p.add_argument("--steps", type=_checked(int, _positive), default=None,
                    help="denoising steps (None: 8 for the demo, 28 with --model)")
     p.add_argument("--threshold", type=_checked(float, lambda v: SkipSoftmaxConfig(threshold=v)), default=DEFAULT_THRESHOLD,
-                   help="skip_softmax_threshold (lambda), in [0, 1)")
+                   help="skip_softmax_threshold (lambda), in [0, 1); not with --target-sparsity")
     p.add_argument("--target-sparsity", type=_checked(float, lambda v: SkipSoftmaxConfig(target_sparsity=v)),
                    default=None, help="in [0, 1], instead of --threshold; uses --calibration (offline without one: "
                                       "the tiny pipeline is calibrated first)")
@@ -217,70 +273,101 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    type=_checked(float, lambda v: SkipSoftmaxConfig(disabled_until_timestep=v)),
                    help="normalized timestep in [0, 1]: dense while t is above this")
     p.add_argument("--quant", choices=["int8", "fp8_e4m3", "none"], default="int8", help="SAGE dtype for Q/K")
-    p.add_argument("--backend", choices=["auto", *route_names()], default="auto",
-                   help="route name or auto (offline demo: auto means reference)")
+    p.add_argument("--backend", choices=["auto", *ROUTE_NAMES], default="auto",
+                   help=f"route name or auto (offline demo, on the CPU: {' or '.join(CPU_ROUTES)}; auto means reference)")
     p.add_argument("--fallback", choices=["dense"], default=None, help="run dense what no route can honour")
     p.add_argument("--policy", choices=list(POLICIES), default="auto",
                    help="auto: run dense where skip/SAGE measured slower (on H100/H200: skip alone without a "
                         "target_sparsity >= 0.35, SAGE on short sequences); always: run what was asked")
     p.add_argument("--height", type=_checked(int, _positive), default=None,
-                   help=f"None: the pipeline's (offline: a multiple of 16 up to 256, None: {DEMO_SIZE})")
+                   help=f"None: the pipeline's (offline: a multiple of 16 up to {DEMO_MAX_SIZE}, None: {DEMO_SIZE})")
     p.add_argument("--width", type=_checked(int, _positive), default=None,
-                   help=f"None: the pipeline's (offline: a multiple of 16 up to 256, None: {DEMO_SIZE})")
-    p.add_argument("--seed", type=_checked(int, lambda v: None), default=0, help="random seed")
+                   help=f"None: the pipeline's (offline: a multiple of 16 up to {DEMO_MAX_SIZE}, None: {DEMO_SIZE})")
     p.add_argument("--compare", action="store_true", help="with --model: also run dense and save both (the demo always does)")
     p.add_argument("--collect-stats", action="store_true", help="ask GPU routes for skipped-tile counts")
     p.add_argument("--out", default="outputs", help="output directory")
+    _add_common(p)
     args = p.parse_args(argv)
     if args.steps is None:
         args.steps = 28 if args.model else 8
-    if args.calibration is not None and not os.path.exists(args.calibration):
-        p.error(f"argument --calibration: {args.calibration!r} does not exist")
+    if args.target_sparsity is not None and _given(argv, "--threshold"):
+        p.error("arguments --threshold and --target-sparsity are exclusive (a threshold, or a sparsity the "
+                "calibration turns into one); pass one of them")
+    if args.calibration is not None:
+        if args.target_sparsity is None:
+            p.error("argument --calibration is read for --target-sparsity; pass --target-sparsity too (or drop "
+                    "--calibration and use --threshold)")
+        if not os.path.exists(args.calibration):
+            p.error(f"argument --calibration: {args.calibration!r} does not exist")
+        from .calibration.checkpoint import check_calibration  # reads the file: the library's own validation
+
+        try:
+            check_calibration(args.calibration)
+        except ValueError as err:
+            p.error(f"argument --calibration: {err}")
     if not args.model:
         if args.prompt is not None:
             p.error("argument --prompt needs --model: the offline demo has no text encoder (it uses random prompt "
-                    "embeddings).")
-        for name in ("height", "width"):
-            value = getattr(args, name)
-            if value is not None and (value % 16 or value > 256):
-                p.error(f"argument --{name}: the offline demo takes a multiple of 16 up to 256 (CPU time grows with "
-                        f"the square of the token count); got {value}")
-    if args.calibration and args.target_sparsity is None:
-        p.error("argument --calibration is read for --target-sparsity; pass --target-sparsity too (or drop "
-                "--calibration and use --threshold).")
+                    "embeddings)")
+        _check_offline_size(p, args)
+        if args.backend not in ("auto", *CPU_ROUTES):
+            p.error(f"argument --backend: {args.backend!r} runs on a CUDA GPU, and the offline demo runs on the CPU; "
+                    f"pass --backend {' or '.join(CPU_ROUTES)} (auto: reference), or --model on a GPU")
+    why = _writable_directory(args.out)
+    if why:
+        p.error(f"argument --out: cannot write the images to {args.out!r}: {why}; pass a writable directory")
     return args
 
 
 def parse_calibrate_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m diffusers_trtllm calibrate", formatter_class=_HelpFormatter,
+    """The ``calibrate`` command's arguments, every value checked before any model is built."""
+    p = _Parser(
+        prog=f"{PROG} calibrate", formatter_class=_HelpFormatter, allow_abbrev=False,
         description="Measure per layer and step where skip-softmax would skip (one dense run per prompt) and write "
                     "ModelOpt's sparse_attention_config (factor = a * exp(b * target_sparsity)) for --target-sparsity "
                     "and load_calibration. Without --model: the tiny offline pipeline, on random prompt embeddings.")
     p.add_argument("--model", help="Hugging Face model id or path (GPU); omit for the tiny offline pipeline")
     p.add_argument("--prompts", help="text file, one prompt per line (needs --model)")
     p.add_argument("--num-prompts", type=_checked(int, _positive), default=2, help="offline: how many random prompt embeddings")
-    p.add_argument("--out", default="calibration.json", help="where to write the JSON")
+    p.add_argument("--out", default="calibration.json",
+                   help="a .json file to write, or a checkpoint folder (save_pretrained's) whose config.json takes it")
     p.add_argument("--steps", type=_checked(int, _positive), default=None,
                    help="denoising steps per prompt (None: 8 offline, 28 with --model)")
-    p.add_argument("--height", type=_checked(int, _positive), default=None, help="None: the pipeline's")
-    p.add_argument("--width", type=_checked(int, _positive), default=None, help="None: the pipeline's")
+    p.add_argument("--height", type=_checked(int, _positive), default=None,
+                   help=f"None: the pipeline's (offline: a multiple of 16 up to {DEMO_MAX_SIZE}, None: {DEMO_SIZE})")
+    p.add_argument("--width", type=_checked(int, _positive), default=None,
+                   help=f"None: the pipeline's (offline: a multiple of 16 up to {DEMO_MAX_SIZE}, None: {DEMO_SIZE})")
     p.add_argument("--group-by", choices=GROUP_BY, default="transformer", help="one curve per transformer, role or layer")
     p.add_argument("--target-sparsity", type=_checked(float, lambda v: SkipSoftmaxConfig(target_sparsity=v)), default=None,
                    help="recommended operating point written with the curve")
     p.add_argument("--disabled-until-timestep", type=_checked(float, lambda v: SkipSoftmaxConfig(disabled_until_timestep=v)),
                    default=0.0,
                    help="leave steps with t above this out of the fit, and write it with the curve")
-    p.add_argument("--fit-range", type=float, nargs=2, default=(0.05, 0.95), metavar=("LOW", "HIGH"),
-                   help="sparsities the curve is fitted over")
-    p.add_argument("--tile", type=int, nargs=2, default=(128, 128), metavar=("Q", "KV"), help="the kernel's tile")
-    p.add_argument("--seed", type=_checked(int, lambda v: None), default=0, help="random seed")
+    p.add_argument("--fit-range", type=_checked(float, lambda v: None), nargs=2, default=(0.05, 0.95), metavar=("LOW", "HIGH"), help="sparsities the curve is fitted over")
+    p.add_argument("--tile", type=_checked(int, _positive), nargs=2, default=(128, 128), metavar=("Q", "KV"),
+                   help="the kernel's tile")
+    _add_common(p)
     args = p.parse_args(argv)
     if args.model and not args.prompts:
-        p.error("argument --model needs --prompts FILE (one prompt per line).")
+        p.error("argument --model needs --prompts FILE (one prompt per line)")
     if args.prompts and not args.model:
         p.error("argument --prompts needs --model: the offline pipeline has no text encoder (it uses --num-prompts "
-                "random prompt embeddings).")
+                "random prompt embeddings)")
+    if args.prompts and not os.path.isfile(args.prompts):
+        p.error(f"argument --prompts: {args.prompts!r} is not a file")
+    try:
+        check_fit_range(args.fit_range)
+    except ValueError as err:
+        p.error(f"argument --fit-range: {err}")
+    if not args.model:
+        _check_offline_size(p, args)
+    if os.path.isdir(args.out):
+        if not any(os.path.isfile(os.path.join(args.out, n)) for n in ("config.json", "model_index.json")):
+            p.error(f"argument --out: {args.out!r} is a folder but no checkpoint (no config.json or model_index.json); "
+                    "pass a .json file path or a folder saved with save_pretrained")
+    why = _writable_directory(args.out if os.path.isdir(args.out) else os.path.dirname(os.path.abspath(args.out)))
+    if why:
+        p.error(f"argument --out: cannot write the calibration to {args.out!r}: {why}; pass a writable path")
     if args.steps is None:
         args.steps = 28 if args.model else 8
     return args
@@ -288,17 +375,24 @@ def parse_calibrate_args(argv: list[str]) -> argparse.Namespace:
 
 def run_calibrate(args: argparse.Namespace) -> Any:
     """Calibrate a model (GPU) or the tiny offline pipeline, and write the JSON."""
+    import torch
+
+    from .calibration import save_calibration
+    from .calibration import calibrate
+    from .demo import build_demo_pipeline
+
     kwargs: dict[str, Any] = {k: getattr(args, k) for k in ("height", "width") if getattr(args, k)}
     if args.model:
         from diffusers import DiffusionPipeline
 
         if not torch.cuda.is_available():
-            sys.exit("calibrate --model needs a CUDA GPU (without --model it calibrates the tiny offline pipeline).")
-        pipe = DiffusionPipeline.from_pretrained(args.model, torch_dtype=torch.bfloat16).to("cuda")
+            raise RuntimeError("calibrate --model needs a CUDA GPU (without --model it calibrates the tiny offline "
+                               "pipeline).")
         with open(args.prompts, encoding="utf-8") as f:
             prompts: list[Any] = [line.strip() for line in f if line.strip()]
         if not prompts:
-            sys.exit(f"{args.prompts} holds no prompt (one per line).")
+            raise ValueError(f"{args.prompts} holds no prompt (one per line).")
+        pipe = DiffusionPipeline.from_pretrained(args.model, torch_dtype=torch.bfloat16).to("cuda")
     else:
         pipe, inputs = build_demo_pipeline(args.seed)
         kwargs = {"height": args.height or DEMO_SIZE, "width": args.width or DEMO_SIZE}
@@ -313,16 +407,32 @@ def run_calibrate(args: argparse.Namespace) -> Any:
     return cal
 
 
+class _NoTorchvisionFallbackNote(logging.Filter):
+    """Drops transformers' note that an image processor falls back to PIL without torchvision (printed at every
+    start; this package uses no image processor)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "requires torchvision (not installed)" not in record.getMessage()
+
+
 def main(argv: list[str] | None = None) -> None:
+    """``python -m diffusers_trtllm`` and the ``diffusers-trtllm`` console script."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["calibrate"]:
-        run_calibrate(parse_calibrate_args(argv[1:]))
-        return
-    args = parse_args(argv)
-    if args.model:
-        run_model(args)
-    else:
-        run_demo(args)
+    calibrating = argv[:1] == ["calibrate"]
+    args = parse_calibrate_args(argv[1:]) if calibrating else parse_args(argv)
+    logging.getLogger("transformers.utils.import_utils").addFilter(_NoTorchvisionFallbackNote())
+    try:
+        if calibrating:
+            run_calibrate(args)
+        elif args.model:
+            run_model(args)
+        else:
+            run_demo(args)
+    except Exception as err:  # one line for the user; --debug shows where it came from
+        if args.debug:
+            raise
+        line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        sys.exit(f"{PROG}{' calibrate' if calibrating else ''}: error: {line} (--debug shows the traceback)")
 
 
 if __name__ == "__main__":

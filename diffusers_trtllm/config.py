@@ -22,14 +22,30 @@ from __future__ import annotations
 
 import difflib
 import math
+import sys
 from dataclasses import dataclass, replace
-from typing import Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "SkipSoftmaxConfig", "QuantConfig", "QK_QUANT_DTYPES", "BLOCK_SIZES", "ControlTypeError", "unknown_keys_message",
+    "POLICIES", "ROUTE_NAMES", "CPU_ROUTES", "GROUP_BY", "check_fit_range",
 ]
+
+# This module imports no torch: the command line checks its values with it before the slow imports.
+
+#: ``policy`` values (``policy.apply_policy``): "auto" drops what cannot pay off on a call, "always" honours it.
+POLICIES = ("auto", "always")
+#: The built-in routes' names in priority order (``routes.route_names()`` once they are loaded), and those
+#: that run on the CPU; ``tests/test_cli.py`` checks both against the registered routes.
+ROUTE_NAMES = ("trtllm-gen", "fa3", "fmha-v2", "fmha-v2-fp8", "triton", "sdpa", "gluon", "reference")
+CPU_ROUTES = ("sdpa", "reference")
+#: How ``calibrate()`` pools layers into curves: one per transformer (ModelOpt's layout), per role, or per layer.
+GROUP_BY = ("transformer", "role", "layer")
+#: ``torch.finfo(torch.float32).max``: a skip factor must fit in the kernels' fp32.
+_FLOAT32_MAX = 3.4028234663852886e38
 
 
 class ControlTypeError(TypeError, ValueError):
@@ -52,10 +68,10 @@ def check_mapping(name: str, value: Any, example: str) -> Mapping[str, Any]:
         raise ControlTypeError(f"{name} must be a dict like {example}; got {value!r} ({type(value).__name__}).")
     return value
 
-#: Quantized dtypes SAGE accepts for Q and K, by their configuration name.
-QK_QUANT_DTYPES: dict[str, torch.dtype] = {
-    "int8": torch.int8,
-    "fp8_e4m3": torch.float8_e4m3fn,
+#: Quantized dtypes SAGE accepts for Q and K: configuration name -> ``torch`` attribute.
+QK_QUANT_DTYPES: dict[str, str] = {
+    "int8": "int8",
+    "fp8_e4m3": "float8_e4m3fn",
 }
 #: Aliases a user may write for ``dtype_qk``.
 _DTYPE_ALIASES = {"fp8": "fp8_e4m3", "e4m3": "fp8_e4m3", "float8_e4m3fn": "fp8_e4m3"}
@@ -65,10 +81,10 @@ BLOCK_SIZES = (1, 4, 16)
 
 def _dtype_name(dtype_qk: Any) -> str:
     """The configuration name of a SAGE Q/K dtype given by name, alias or ``torch.dtype``."""
-    if isinstance(dtype_qk, torch.dtype):
+    if _is_torch_dtype(dtype_qk):
         names = {v: k for k, v in QK_QUANT_DTYPES.items()}
-        if dtype_qk in names:
-            return names[dtype_qk]
+        if str(dtype_qk).removeprefix("torch.") in names:
+            return names[str(dtype_qk).removeprefix("torch.")]
     elif isinstance(dtype_qk, str):
         name = _DTYPE_ALIASES.get(dtype_qk.lower(), dtype_qk.lower())
         if name in QK_QUANT_DTYPES:
@@ -82,6 +98,23 @@ def _dtype_name(dtype_qk: Any) -> str:
         f"quant.dtype_qk must be one of {sorted(QK_QUANT_DTYPES)} (or None for no SAGE); "
         f"got {dtype_qk!r}. float16/bfloat16 are not SAGE dtypes."
     )
+
+
+def _is_torch_dtype(value: Any) -> bool:
+    """Whether ``value`` is a ``torch.dtype`` (without importing torch: if it is not loaded, none exists)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.dtype)
+
+
+def check_fit_range(fit_range: Any) -> tuple[float, float]:
+    """``calibrate()``'s ``fit_range``: sparsities ``(low, high)`` with ``0 <= low < high <= 1``."""
+    try:
+        low, high = (float(x) for x in fit_range)
+    except (TypeError, ValueError):
+        raise ValueError(f"fit_range must be (low, high) with 0 <= low < high <= 1; got {fit_range!r}.") from None
+    if not 0.0 <= low < high <= 1.0:
+        raise ValueError(f"fit_range must be (low, high) with 0 <= low < high <= 1; got {fit_range!r}.")
+    return low, high
 
 
 def _check_range(name: str, value: Any, lo: float, hi: float | None, hi_open: bool = False) -> float | None:
@@ -100,7 +133,7 @@ def check_curve(where: str, a: float, b: float) -> None:
     """The factor ``a * exp(b * target_sparsity)`` must be finite and > 0 for every target_sparsity in [0, 1]."""
     if a <= 0.0:
         raise ValueError(f"{where}: a must be > 0; got {a!r}.")
-    if math.log(a) + max(b, 0.0) >= math.log(torch.finfo(torch.float32).max):
+    if math.log(a) + max(b, 0.0) >= math.log(_FLOAT32_MAX):
         raise ValueError(
             f"{where}: a * exp(b * target_sparsity) overflows for target_sparsity in [0, 1] "
             f"(a={a!r}, b={b!r}); a calibrated curve gives factors of the order of the sequence length."
@@ -241,7 +274,7 @@ class QuantConfig:
             return quant
         if quant is None:
             return cls()
-        if isinstance(quant, (str, torch.dtype)):
+        if isinstance(quant, str) or _is_torch_dtype(quant):
             return cls(dtype_qk=quant)
         if not isinstance(quant, Mapping):
             raise ControlTypeError(
@@ -271,10 +304,12 @@ class QuantConfig:
         return self.dtype_qk is not None
 
     @property
-    def qk_dtype(self) -> torch.dtype:
+    def qk_dtype(self) -> "torch.dtype":
+        import torch
+
         if self.dtype_qk is None:
             raise ValueError("quant.dtype_qk is not set; SAGE is off.")
-        return QK_QUANT_DTYPES[self.dtype_qk]
+        return getattr(torch, QK_QUANT_DTYPES[self.dtype_qk])
 
     @property
     def qk_max(self) -> float:

@@ -13,21 +13,18 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from diffusers.callbacks import PipelineCallback
+if TYPE_CHECKING:  # imported where used: the command line reads this module's sizes before torch loads
+    from .serving.processor import TrtllmAttnProcessor
 
-from .locality import make_attention_local
-from .measure import rel_l1
-from .serving import install as serve
-from .serving.processor import TrtllmAttnProcessor
-from .serving.timestep import attach_denoise_tracking
-
-__all__ = ["build_demo_pipeline", "install", "generate", "comparison_image", "DEMO_SIZE", "DEMO_CONTRAST"]
+__all__ = ["build_demo_pipeline", "install", "generate", "comparison_image", "DEMO_SIZE", "DEMO_MAX_SIZE",
+           "DEMO_CONTRAST"]
 
 #: Height and width of the demo's images (1024 image tokens + 8 text tokens).
 DEMO_SIZE = 64
+#: The largest the demo takes on the CPU (its time grows with the square of the token count).
+DEMO_MAX_SIZE = 256
 _PROMPT_TOKENS = 8
 #: Score of two tokens at distance 0, in nats (``make_attention_local``).
 DEMO_CONTRAST = 90.0
@@ -40,7 +37,10 @@ def build_demo_pipeline(seed: int = 0, contrast: float = DEMO_CONTRAST, size: in
     skipped fraction grows smoothly with the threshold). Returns ``(pipe, inputs)``, ``inputs``
     holding random ``prompt_embeds`` (the pipeline has no text encoder).
     """
+    import torch
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+
+    from .locality import make_attention_local
 
     if size % 16 or size < 16:
         raise ValueError(f"the demo's size must be a multiple of 16 (Flux packs 2x2 latents); got {size}.")
@@ -69,29 +69,38 @@ def build_demo_pipeline(seed: int = 0, contrast: float = DEMO_CONTRAST, size: in
     return pipe, inputs
 
 
-def install(pipe: Any, proc: TrtllmAttnProcessor) -> None:
+def install(pipe: Any, proc: "TrtllmAttnProcessor") -> None:
     """The processor on every transformer of the pipeline, with per-step timestep tracking."""
+    from .serving import install as serve
+    from .serving.timestep import attach_denoise_tracking
+
     serve(pipe, proc)
     attach_denoise_tracking(pipe, proc)
 
 
-class _KeepLatents(PipelineCallback):
-    """Keeps the final latents (the transformer's work, before the VAE) for the comparison."""
+def _keep_latents() -> Any:
+    """A callback keeping the final latents (the transformer's work, before the VAE) for the comparison."""
+    from diffusers.callbacks import PipelineCallback
 
-    tensor_inputs = ["latents"]
+    class KeepLatents(PipelineCallback):
+        tensor_inputs = ["latents"]
 
-    def callback_fn(self, pipeline, step_index, timestep, callback_kwargs):
-        self.latents = callback_kwargs["latents"].detach().float().cpu()
-        return callback_kwargs
+        def callback_fn(self, pipeline, step_index, timestep, callback_kwargs):
+            self.latents = callback_kwargs["latents"].detach().float().cpu()
+            return callback_kwargs
+
+    return KeepLatents()
 
 
-def generate(pipe: Any, proc: TrtllmAttnProcessor, inputs: dict, steps: int, seed: int, label: str):
-    """One pipeline run with ``proc``: (first image, final latents, seconds)."""
+def generate(pipe: Any, proc: "TrtllmAttnProcessor", inputs: dict, steps: int, seed: int, label: str):
+    """One pipeline run with ``proc``: (first image, final latents, seconds of wall time)."""
+    import torch
+
     install(pipe, proc)
     proc.reset_stats()
     device = getattr(pipe, "_execution_device", torch.device("cpu"))
     generator = torch.Generator(device).manual_seed(seed)
-    keep = _KeepLatents()
+    keep = _keep_latents()
     pipe.set_progress_bar_config(desc=f"{label:<16}", leave=True)
     start = time.perf_counter()
     out = pipe(**inputs, num_inference_steps=steps, generator=generator, output_type="pil", callback_on_step_end=keep)
@@ -190,6 +199,9 @@ def comparison_image(panels: list[dict[str, Any]], path: str, title: str, min_si
 def image_rel_l1(image, reference) -> float:
     """Relative L1 between two images' pixels."""
     import numpy as np
+    import torch
+
+    from .measure import rel_l1
 
     return rel_l1(torch.from_numpy(np.asarray(image.convert("RGB"), dtype=np.float32)),
                   torch.from_numpy(np.asarray(reference.convert("RGB"), dtype=np.float32)))

@@ -40,7 +40,7 @@ from ..version import __version__
 
 __all__ = [
     "CalibrationGroup", "parse_sparse_attention_config", "read_calibration", "load_calibration", "FORMULAS",
-    "sparse_attention_config", "save_calibration",
+    "sparse_attention_config", "save_calibration", "check_calibration",
 ]
 
 #: Supported curve formulas (whitespace-insensitive) and the coefficient naming the scale.
@@ -205,6 +205,14 @@ def _read_json(path: str) -> Any:
                          "levels of objects.") from None
     except (OSError, ValueError) as err:  # ValueError: JSON syntax, UTF-8, Python's integer digit limit
         raise ValueError(f"calibration file {path!r} could not be read as UTF-8 JSON: {err}") from None
+
+
+def check_calibration(source: str | os.PathLike | Mapping[str, Any]) -> None:
+    """Read and validate a calibration (file, model directory or dict) before any model is built; a
+    ``ValueError`` says what is wrong. Holds one ``sparse_attention_config`` or one per transformer."""
+    given = read_calibration(source)
+    for config in given.values() if _per_denoiser(given) else [given]:
+        parse_sparse_attention_config(config)
 
 
 def _own_config(transformer: torch.nn.Module) -> Mapping[str, Any] | None:

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from .._logging import logger
+from ..config import GROUP_BY, check_fit_range
 from ..layout import MaskNotSupportedError
 from ..measure import tile_criticals
 from ..serving.processor import TrtllmAttnProcessor
@@ -41,8 +42,6 @@ __all__ = ["calibrate", "SparsityCalibration", "FittedGroup", "LayerStepSparsity
 
 #: Thresholds (lambda at the longest KV sequence) measured by default: 1e-8 .. 1, 12 per decade.
 DEFAULT_THRESHOLDS: tuple[float, ...] = tuple(float(x) for x in np.geomspace(1e-8, 1.0, 97))
-#: How layers are pooled into curves: one per transformer (ModelOpt's layout), per role, or per layer.
-GROUP_BY = ("transformer", "role", "layer")
 
 
 @dataclass
@@ -274,9 +273,11 @@ def fit_groups(
         cells = [m for m in measurements if m.transformer == attr]
         active = [m for m in cells if not disabled_until_timestep or (m.t is not None and m.t <= disabled_until_timestep)]
         if not active:
-            logger.info("calibrate: every step of %s is gated by disabled_until_timestep=%s; fitting its curve on "
-                        "all steps.", attr, disabled_until_timestep)
-            active = cells
+            lowest = min((m.t for m in cells if m.t is not None), default=None)
+            raise ValueError(
+                f"disabled_until_timestep={disabled_until_timestep} gates every step of {attr} (its lowest t was "
+                f"{lowest if lowest is None else round(lowest, 4)}), so skip-softmax would never run there and there "
+                "is nothing to fit; lower it below that t, or pass 0 (never gated).")
         fitted = []
         for name, layers, members in _groups_of(attr, active, group_by):
             log_f, sparsity = _group_curve(members, thresholds)
@@ -334,8 +335,7 @@ def calibrate(
     The pipeline's attention processors and timestep tracking are restored afterwards.
     """
     thresholds = _check_thresholds(thresholds)
-    if not (0.0 <= fit_range[0] < fit_range[1] <= 1.0):
-        raise ValueError(f"fit_range must be (low, high) with 0 <= low < high <= 1; got {fit_range!r}.")
+    fit_range = check_fit_range(fit_range)
     transformers = _transformers(pipe)
     runs = _pipeline_inputs(prompts)
     previous = {attr: m.attn_processors for attr, m in transformers.items() if hasattr(m, "attn_processors")}

@@ -20,13 +20,13 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass, replace
 
+from ..config import POLICIES
 from .order import LONG_KV, TEXT_KV
 from .registry import AttentionCall, device_sm
 
 __all__ = ["POLICIES", "FEATURES", "SHORT_KV", "SAGE_MIN_KV_SM90", "SAGE_INT8_MIN_KV_SM90", "SKIP_ALONE_MIN_SPARSITY_SM90", "SKIP_ALONE_MIN_KV_SM90",
            "PolicyDecision", "apply_policy"]
 
-POLICIES = ("auto", "always")
 
 #: KV lengths up to this are "short" (text cross-attention: 512 tokens). Skip-softmax never skips
 #: the first KV tile, so at most 3 of 4 tiles could go, and QK^T runs for all of them; measured on the
