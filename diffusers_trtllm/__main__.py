@@ -17,7 +17,6 @@ where skip-softmax would skip and writes a ModelOpt ``sparse_attention_config``;
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 import tempfile
@@ -407,20 +406,11 @@ def run_calibrate(args: argparse.Namespace) -> Any:
     return cal
 
 
-class _NoTorchvisionFallbackNote(logging.Filter):
-    """Drops transformers' note that an image processor falls back to PIL without torchvision (printed at every
-    start; this package uses no image processor)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "requires torchvision (not installed)" not in record.getMessage()
-
-
 def main(argv: list[str] | None = None) -> None:
     """``python -m diffusers_trtllm`` and the ``diffusers-trtllm`` console script."""
     argv = sys.argv[1:] if argv is None else list(argv)
     calibrating = argv[:1] == ["calibrate"]
     args = parse_calibrate_args(argv[1:]) if calibrating else parse_args(argv)
-    logging.getLogger("transformers.utils.import_utils").addFilter(_NoTorchvisionFallbackNote())
     try:
         if calibrating:
             run_calibrate(args)

@@ -8,9 +8,22 @@ messages come out through its handler, formatted like its own.
 
 from __future__ import annotations
 
+import logging
 from typing import Hashable
 
-from diffusers.utils import logging as diffusers_logging
+
+class _NoTorchvisionFallbackNote(logging.Filter):
+    """Drops transformers' note that an image processor falls back to PIL without torchvision: Diffusers'
+    imports print it at every start, and nothing here uses an image processor (the fallback still happens)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "requires torchvision (not installed)" not in record.getMessage()
+
+
+# Before Diffusers (and through it transformers) is imported below.
+logging.getLogger("transformers.utils.import_utils").addFilter(_NoTorchvisionFallbackNote())
+
+from diffusers.utils import logging as diffusers_logging  # noqa: E402
 
 #: Under ``diffusers`` so that Diffusers' ``set_verbosity_*`` applies.
 LOGGER_NAME = "diffusers.trtllm"
