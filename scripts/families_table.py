@@ -1,7 +1,7 @@
-"""Write the README's families table from the family test's own checks (tests/test_every_family.py).
+"""Write docs/families.md's families table from the family test's own checks (tests/test_every_family.py).
 
     .venv/bin/python scripts/families_table.py          # print the table
-    .venv/bin/python scripts/families_table.py --write  # replace it in README.md
+    .venv/bin/python scripts/families_table.py --write  # replace it in docs/families.md
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def table() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--write", action="store_true", help="replace the table in README.md")
+    parser.add_argument("--write", action="store_true", help="replace the table in docs/families.md")
     args = parser.parse_args()
     logging.disable(logging.WARNING)
     warnings.filterwarnings("ignore")
@@ -71,14 +71,14 @@ def main() -> None:
     if not args.write:
         print(text)
         return
-    readme = ROOT / "README.md"
-    content = readme.read_text()
+    page = ROOT / "docs" / "families.md"
+    content = page.read_text()
     if START not in content or END not in content:
-        raise SystemExit(f"README.md has no {START} ... {END} markers; add them where the table goes.")
+        raise SystemExit(f"{page} has no {START} ... {END} markers; add them where the table goes.")
     head, rest = content.split(START, 1)
     _, tail = rest.split(END, 1)
-    readme.write_text(f"{head}{START}\n{text}\n{END}{tail}")
-    print(f"wrote {readme}")
+    page.write_text(f"{head}{START}\n{text}\n{END}{tail}")
+    print(f"wrote {page}")
 
 
 if __name__ == "__main__":

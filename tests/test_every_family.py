@@ -1,7 +1,7 @@
 """Every transformer family Diffusers exports, tiny: dense output equals stock, and our kernels ran
 on every softmax attention call its attention modules make (``tests/data/tiny_family_configs.json``).
 
-``scripts/families_table.py`` turns the same checks into the README's families table.
+``scripts/families_table.py`` turns the same checks into docs/families.md's table.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 
 import family_models
 
-#: Exported classes with no tiny configuration here, and why (listed in the README).
+#: Exported classes with no tiny configuration here, and why (listed in docs/families.md).
 NOT_TESTED = {
     "BriaFibo2Transformer2DModel": "no tiny configuration yet",
     "RFD4ProteinaTransformer": "no tiny configuration yet",

@@ -88,3 +88,39 @@ def test_quickstart_notebook_executes(monkeypatch):
     outputs = "".join(o.get("text", "") for c in notebook.cells if c.cell_type == "code" for o in c.get("outputs", []))
     assert "max |dense - stock| = 0.0" in outputs
     assert "sparse" in outputs
+
+
+def _readme() -> str:
+    return open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+
+
+def test_readme_pipeline_example_runs_on_the_cpu():
+    section = _readme().split("## Use it in your own pipeline", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    namespace: dict = {}
+    exec(compile(code, "README.md", "exec"), namespace)
+    table = namespace["proc"].format_step_table()
+    assert "sparse" in table and "int8" in table
+
+
+def test_readme_is_for_a_newcomer_and_its_links_resolve():
+    import re
+
+    readme = _readme()
+    assert len(readme.splitlines()) <= 300
+    for needed in ("bash scripts/setup.sh && .venv/bin/python -m diffusers_trtllm", "bash scripts/test.sh",
+                   'backend="reference"', "Real-model runs: not yet done", "A GPU is needed for any speed-up",
+                   "diffusers-trtllm", "jupyter execute", "set_timestep", "collect_stats", "`policy`"):
+        assert needed in readme, needed
+    ci = open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8").read()
+    assert "scripts/setup.sh" in ci and "scripts/test.sh" in ci  # the README's test command is CI's
+    links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", readme)
+    assert any(link.startswith("benchmarks/results/") for link in links)
+    for link in links:
+        assert os.path.exists(os.path.join(ROOT, link)), link
+
+
+def test_model_card_names_the_hopper_skip_routes_the_readme_names():
+    card = open(os.path.join(ROOT, "docs", "model_card.md"), encoding="utf-8").read()
+    readme = _readme()
+    assert "`gluon`" in card and "`gluon`" in readme and "`triton`" in card
