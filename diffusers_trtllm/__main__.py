@@ -238,6 +238,14 @@ def _writable_directory(path: str) -> str | None:
     return None
 
 
+def _library_check(p: argparse.ArgumentParser, flag: str, check: Callable[[Any], Any], value: Any) -> None:
+    """``check(value)``, the library's own validation; what it refuses becomes an argument error."""
+    try:
+        check(value)
+    except ValueError as err:
+        p.error(f"argument {flag}: {err}")
+
+
 def _check_offline_size(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     for name in ("height", "width"):
         value = getattr(args, name)
@@ -300,10 +308,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"argument --calibration: {args.calibration!r} does not exist")
         from .calibration.checkpoint import check_calibration  # reads the file: the library's own validation
 
-        try:
-            check_calibration(args.calibration)
-        except ValueError as err:
-            p.error(f"argument --calibration: {err}")
+        _library_check(p, "--calibration", check_calibration, args.calibration)
     if not args.model:
         if args.prompt is not None:
             p.error("argument --prompt needs --model: the offline demo has no text encoder (it uses random prompt "
@@ -354,10 +359,7 @@ def parse_calibrate_args(argv: list[str]) -> argparse.Namespace:
                 "random prompt embeddings)")
     if args.prompts and not os.path.isfile(args.prompts):
         p.error(f"argument --prompts: {args.prompts!r} is not a file")
-    try:
-        check_fit_range(args.fit_range)
-    except ValueError as err:
-        p.error(f"argument --fit-range: {err}")
+    _library_check(p, "--fit-range", check_fit_range, args.fit_range)
     if not args.model:
         _check_offline_size(p, args)
     if os.path.isdir(args.out):
