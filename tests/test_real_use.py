@@ -221,3 +221,18 @@ def test_install_on_a_non_model_is_a_clear_type_error(target):
         install(target, TrtllmAttnProcessor())
     with pytest.raises(TypeError, match="pipeline or a torch.nn.Module"):
         uninstall(target)
+
+
+def test_reinstalling_after_uninstall_starts_a_new_table():
+    pipe, kwargs = tiny_models.flux_pipeline()
+    proc = TrtllmAttnProcessor(backend="reference")
+    install(pipe, proc)
+    attach_denoise_tracking(pipe)
+    pipe(**kwargs, num_inference_steps=STEPS)
+    uninstall(pipe)
+    assert _steps(proc) == list(range(STEPS))  # the table outlives uninstall
+    install(pipe, proc)
+    attach_denoise_tracking(pipe)
+    pipe(**kwargs, num_inference_steps=STEPS)
+    rows = proc.step_table()
+    assert _steps(proc) == list(range(STEPS)) and {r["calls"] for r in rows} == {len(proc.layers)}

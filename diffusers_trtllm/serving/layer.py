@@ -91,10 +91,6 @@ class LayerState:
         self.hidden_index: int | None = None
         self.encoder_index: int | None = None
         self._settings: "Settings | None" = None
-        self.register()
-
-    def register(self) -> None:
-        """A fresh key under which the custom op finds this state (it serves from now on)."""
         self.key = intercept.register_layer(self)
 
     def unregister(self) -> None:
@@ -108,7 +104,7 @@ class LayerState:
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self._settings = None
-        self.register()
+        self.key = intercept.register_layer(self)
         if self.stock is not None and self.mode is not None:
             intercept.ensure_routing(self.stock)
         self.processor.adopt(self)

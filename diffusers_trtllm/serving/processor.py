@@ -157,7 +157,7 @@ class TrtllmAttnProcessor:
     def _init_runtime(self) -> None:
         self._layers: "weakref.WeakSet[LayerState]" = weakref.WeakSet()
         #: States of modules this processor served until another processor (or ``uninstall``) took them,
-        #: by module: they keep this processor's statistics, and serve again if the module comes back.
+        #: by module: they keep this processor's statistics until it serves the module again.
         self._retired: "weakref.WeakKeyDictionary[torch.nn.Module, LayerState]" = weakref.WeakKeyDictionary()
         self._layouts = LayoutCache()
 
@@ -262,12 +262,8 @@ class TrtllmAttnProcessor:
             replaced = None
         state = previous
         if previous is None or previous.processor is not self:
-            # A module this processor served before gets its old state (and statistics) back.
-            state = self._retired.pop(module, None)
-            if state is not None:
-                state.register()
-            else:
-                state = LayerState(self, name=name)
+            self._retired.pop(module, None)  # served again: its old records give way to a new run
+            state = LayerState(self, name=name)
             if previous is not None:
                 state.take_over(previous)
                 previous.processor.release(module, previous)
