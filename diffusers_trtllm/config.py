@@ -40,7 +40,7 @@ __all__ = [
 POLICIES = ("auto", "always")
 #: The built-in routes' names in priority order (``routes.route_names()`` once they are loaded), and those
 #: that run on the CPU; ``tests/test_cli.py`` checks both against the registered routes.
-ROUTE_NAMES = ("trtllm-gen", "fa3", "fmha-v2", "fmha-v2-fp8", "triton", "sdpa", "gluon", "reference")
+ROUTE_NAMES = ("trtllm-gen", "fa3", "fmha-v2", "fmha-v2-fp8", "sage-sm90", "triton", "sdpa", "gluon", "reference")
 CPU_ROUTES = ("sdpa", "reference")
 #: How ``calibrate()`` pools layers into curves: one per transformer (ModelOpt's layout), per role, or per layer.
 GROUP_BY = ("transformer", "role", "layer")
