@@ -24,11 +24,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from diffusers_trtllm.bench.inputs import parse_shapes, structured_qkv
 from diffusers_trtllm.bench.suite import heads_subset
-from diffusers_trtllm.bench.timing import cosine, rel_l1, threshold_for, tile_criticals, time_fn
+from diffusers_trtllm.bench.timing import time_fn
 from diffusers_trtllm.config import QuantConfig
 from diffusers_trtllm.kernels.sage_sm90 import BLOCK_M, BLOCK_N, sage_sm90_attention
 from diffusers_trtllm.kernels.triton_attn import triton_attention
 from diffusers_trtllm.layout import PackedLayout
+from diffusers_trtllm.measure import cosine, rel_l1, threshold_for, tile_criticals
 
 #: Compile-time variants of the kernel (``-D`` defines of ``csrc/sage_sm90.cu``), by name.
 BUILDS = {
@@ -65,24 +66,15 @@ def run_shape(shape, builds, targets, iters) -> list[dict]:
                                                            is_causal=False, sm_scale=scale)[0]
     except ImportError as err:
         print("sageattn unavailable:", err)
+    # Skip factors at which the reference skips each target fraction of this kernel's tiles (None: unreachable).
+    factors = {t: lam * layout.max_seqlen_kv for t in targets if (lam := threshold_for(crit, t)) is not None}
     impls["triton-int8"] = lambda: triton_attention(q, k, v, layout, softmax_scale=scale, quant=quant).out
-    for target in targets:
-        lam = threshold_for(crit, target)
-        if lam is not None:
-            factor = lam * layout.max_seqlen_kv
-            impls[f"triton-int8+skip{int(target * 100)}"] = lambda f=factor: triton_attention(
-                q, k, v, layout, softmax_scale=scale, quant=quant, skip_factor=f).out
+    for target, factor in factors.items():
+        impls[f"triton-int8+skip{int(target * 100)}"] = lambda f=factor: triton_attention(
+            q, k, v, layout, softmax_scale=scale, quant=quant, skip_factor=f).out
     for name, defines in builds.items():
-        impls[f"sage-sm90[{name}]"] = lambda d=defines: sage_sm90_attention(
-            q, k, v, layout, softmax_scale=scale, quant=quant, defines=d).out
-        impls[f"sage-sm90[{name}]+skip0"] = lambda d=defines: sage_sm90_attention(
-            q, k, v, layout, softmax_scale=scale, quant=quant, skip_factor=0.0, defines=d).out
-        for target in targets:
-            lam = threshold_for(crit, target)
-            if lam is None:
-                continue
-            factor = lam * layout.max_seqlen_kv
-            impls[f"sage-sm90[{name}]+skip{int(target * 100)}"] = lambda d=defines, f=factor: sage_sm90_attention(
+        for label, factor in [("", None), ("+skip0", 0.0), *((f"+skip{int(t * 100)}", f) for t, f in factors.items())]:
+            impls[f"sage-sm90[{name}]{label}"] = lambda d=defines, f=factor: sage_sm90_attention(
                 q, k, v, layout, softmax_scale=scale, quant=quant, skip_factor=f, defines=d).out
     rows, base = [], None
     for name, fn in impls.items():

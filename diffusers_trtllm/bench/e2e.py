@@ -307,7 +307,7 @@ class _ModelBench:
         self.stock = dict(self.model.attn_processors)
         from diffusers.models.attention_dispatch import _AttentionBackendRegistry
 
-        #: Diffusers' process-wide attention backend, and the one of ours set on the model (``stock-sage2``).
+        #: Diffusers' process-wide attention backend, and its backend set on the model now (``stock-sage2``).
         self.default_backend = _AttentionBackendRegistry.get_active_backend()[0]
         self.diffusers_backend: str | None = None
         self.runner: Callable[..., Any] = self.model

@@ -44,10 +44,17 @@ def source_path(name: str) -> Path:
 
 
 def find_nvcc() -> str | None:
-    """The nvcc to compile with: ``$DIFFUSERS_TRTLLM_NVCC``, ``$CUDA_HOME/bin/nvcc``, ``PATH``, ``/usr/local/cuda``."""
-    candidates = [os.environ.get("DIFFUSERS_TRTLLM_NVCC")]
-    candidates += [str(Path(os.environ[v]) / "bin" / "nvcc") for v in ("CUDA_HOME", "CUDA_PATH") if os.environ.get(v)]
-    candidates += [shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"]
+    """The nvcc to compile with: ``$DIFFUSERS_TRTLLM_NVCC``, ``$CUDA_HOME/bin/nvcc``, ``PATH``, ``/usr/local/cuda``.
+
+    Route selection asks this on every attention call, so the file-system search is remembered per value
+    of those variables."""
+    return _find_nvcc(*(os.environ.get(v) for v in ("DIFFUSERS_TRTLLM_NVCC", "CUDA_HOME", "CUDA_PATH", "PATH")))
+
+
+@functools.lru_cache(maxsize=16)
+def _find_nvcc(explicit: str | None, cuda_home: str | None, cuda_path: str | None, path: str | None) -> str | None:
+    candidates = [explicit, *(str(Path(root) / "bin" / "nvcc") for root in (cuda_home, cuda_path) if root)]
+    candidates += [shutil.which("nvcc", path=path), "/usr/local/cuda/bin/nvcc"]
     return next((c for c in candidates if c and os.access(c, os.X_OK)), None)
 
 

@@ -18,7 +18,7 @@ import torch
 
 from ..config import QuantConfig
 from ..layout import PackedLayout
-from ..routing.registry import AttentionCall, AttentionResult, Capabilities, Route, register_route
+from ..routing.registry import AttentionCall, AttentionResult, Capabilities, Route, device_sm, register_route
 from . import cuda_jit
 from .triton_attn import LOG2E, TritonAttentionOutput, check_heads, tile_output, triton_missing
 
@@ -68,7 +68,7 @@ def _kernels(device: torch.device, defines: tuple[str, ...] = ()) -> dict[str, c
 
 def _check_call(q: torch.Tensor, k: torch.Tensor, quant: QuantConfig | None) -> None:
     check_heads(q, k, "sage-sm90")
-    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
+    if device_sm(q.device) != 90:
         raise ValueError("the sage-sm90 kernel runs on Hopper GPUs (sm_90: H100, H200) only.")
     if q.dtype not in _OUT_NAMES:
         raise ValueError(f"the sage-sm90 kernel takes bf16 or fp16 Q/K/V; got {q.dtype}.")
