@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import gc
 import io
 import logging
 import pickle
@@ -107,8 +108,8 @@ def test_two_models_sharing_one_processor_in_two_threads_keep_their_timesteps():
 # ---- install / uninstall --------------------------------------------------------------------
 def test_uninstall_restores_stock_bit_for_bit_and_every_global():
     from diffusers.models import attention_dispatch
-    from diffusers.models.attention import AttentionMixin, AttentionModuleMixin
-    from diffusers.models.attention_processor import Attention
+
+    from diffusers_trtllm.serving import setters
 
     fresh, inputs = tiny_models.build("sd3")
     model, _ = tiny_models.build("sd3")
@@ -129,8 +130,53 @@ def test_uninstall_restores_stock_bit_for_bit_and_every_global():
     module = sys.modules["diffusers.models.transformers.transformer_flux"]
     assert module.dispatch_attention_fn is attention_dispatch.dispatch_attention_fn
     assert sys.modules["diffusers.models.attention_processor"].F is torch.nn.functional
+    assert _setters_wrapped(), "a processor of ours still lives: set_attn_processor(proc) must still bind it"
+    holders = setters._holders
+    del proc
+    gc.collect()
+    assert setters._holders == holders - 1
+    assert _setters_wrapped() == bool(setters._holders), "with no processor of ours alive, Diffusers' own setters are back"
+
+
+def _setters_wrapped() -> bool:
+    from diffusers.models.attention import AttentionMixin, AttentionModuleMixin
+    from diffusers.models.attention_processor import Attention
+
     setters = (AttentionModuleMixin.set_processor, Attention.set_processor, AttentionMixin.set_attn_processor)
-    assert not any(hasattr(f, "__wrapped__") for f in setters), "Diffusers' own setters are back"
+    wrapped = {hasattr(f, "__wrapped__") for f in setters}
+    assert len(wrapped) == 1, "all three setters are wrapped together or not at all"
+    return wrapped.pop()
+
+
+@pytest.mark.parametrize("family", ["sd3", "flux"])  # an old-style Attention (stock not named) and a new one
+def test_set_attn_processor_after_uninstall_binds_again(family):
+    """The processor outlives uninstall; putting it back by Diffusers' own setter records the stock
+    processor again (SD3's Attention names none), so the model is served, then restored bit for bit."""
+    model, inputs = tiny_models.build(family)
+    expected = _run(model, inputs)
+    proc = TrtllmAttnProcessor(**SPARSE)
+    install(model, proc)
+    uninstall(model)
+    model.set_attn_processor(proc)
+    out = _run(model, inputs)
+    assert {s.mode for s in proc.layers} != {None} and not torch.equal(out, expected)
+    uninstall(model)
+    assert torch.equal(_run(model, inputs), expected)
+
+
+def test_a_processor_never_installed_leaves_diffusers_as_it_was():
+    """Each live processor (a copy too) holds the setters' wrapping; the last one collected takes it away."""
+    from diffusers_trtllm.serving import setters
+
+    gc.collect()
+    before = setters._holders
+    proc = TrtllmAttnProcessor()
+    clone = copy.deepcopy(proc)
+    assert setters._holders == before + 2 and _setters_wrapped()
+    del proc, clone
+    gc.collect()
+    assert setters._holders == before
+    assert _setters_wrapped() == bool(before), "with no processor of ours alive, Diffusers' own setters are back"
 
 
 def test_install_on_a_pipeline_serves_both_wan22_experts():

@@ -6,8 +6,9 @@ of a pipeline's denoisers (``serving.modules``: ``transformer``, ``transformer_2
 ``set_attn_processor`` / ``set_processor`` (29 Diffusers transformers have no
 ``set_attn_processor``; ``MochiAttention`` has no ``set_processor``). :func:`uninstall`
 puts the stock processors back, and once no layer of ours is left anywhere, every
-Diffusers global we changed (``setters.restore_if_unused``). ``pipe.transformer.
-set_attn_processor(proc)`` works too, through the wrapped setters (``serving.setters``).
+Diffusers global we changed (``setters.restore_if_unused``); Diffusers' setters stay wrapped
+while a processor of ours lives, so ``pipe.transformer.set_attn_processor(proc)`` works
+too, before an install or after an uninstall (``serving.setters``).
 See docs/design.md.
 """
 
@@ -20,7 +21,7 @@ import torch
 from .._logging import logger
 from .modules import target_modules
 from .processor import TrtllmAttnProcessor
-from .setters import drop_layer, patch_diffusers, put_processor, restore_if_unused
+from .setters import drop_layer, put_processor, restore_if_unused
 from .timestep import detach_tracker, tracker_of
 
 __all__ = ["install", "uninstall"]
@@ -38,7 +39,6 @@ def install(target: Any, processor: TrtllmAttnProcessor) -> Any:
     """
     if not isinstance(processor, TrtllmAttnProcessor):
         raise TypeError(f"install() takes a TrtllmAttnProcessor; got {type(processor).__name__}.")
-    patch_diffusers(TrtllmAttnProcessor)
     tracker = None
     served = 0
     for module_root in target_modules(target).values():

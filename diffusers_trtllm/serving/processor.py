@@ -36,7 +36,7 @@ from ..stats import StepRecord
 from . import intercept as _intercept
 from .layer import Calibration, LayerState, attach_layer, layer_of
 from .roles import ROLES
-from .setters import patch_diffusers
+from .setters import hold_setters
 
 __all__ = ["TrtllmAttnProcessor", "LayerState", "StepRecord", "Calibration", "Settings", "ROLES"]
 
@@ -150,11 +150,11 @@ class TrtllmAttnProcessor:
         #: What Diffusers sets on "the" processor for the stock path (``_attention_backend``,
         #: ``_parallel_config``): forwarded to every layer's stock processor, now and on binding.
         self._stock_attrs: dict[str, Any] = {}
-        # Diffusers' setters must hand ours the processor they replace from the first
-        # ``set_attn_processor(proc)`` on, which no hook of ours sees (serving.setters).
-        patch_diffusers(TrtllmAttnProcessor)
 
     def _init_runtime(self) -> None:
+        # Diffusers' setters must hand ours the processor they replace from the first
+        # ``set_attn_processor(proc)`` on, which no hook of ours sees: wrapped while this lives (serving.setters).
+        hold_setters(self, TrtllmAttnProcessor)
         self._layers: "weakref.WeakSet[LayerState]" = weakref.WeakSet()
         #: States of modules this processor served until another processor (or ``uninstall``) took them,
         #: by module: they keep this processor's statistics until it serves the module again.

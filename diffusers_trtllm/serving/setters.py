@@ -4,15 +4,21 @@ Diffusers' ``set_processor`` keeps no record of the processor it replaces, and a
 ``attention_processor.Attention`` does not name its stock processor, so while a processor
 of ours exists, ``set_processor`` (of ``Attention`` and ``AttentionModuleMixin``) is
 wrapped to hand the replaced processor to ours, and ``AttentionMixin.set_attn_processor``
-to name each layer. Both wrappers act only when ours is involved. :func:`restore_if_unused`
-puts Diffusers' setters and the globals ``intercept`` rebound back once no layer of ours is
-alive. See docs/design.md ("Process-wide state").
+to name each layer. Both wrappers act only when ours is involved.
+
+The wrapping lasts exactly as long as some processor of ours lives (:func:`hold_setters`, from its
+construction, since ``set_attn_processor(proc)`` is an install no hook of ours sees, to its garbage
+collection), so it also serves a processor put back after ``uninstall``. :func:`restore_if_unused` puts
+the globals ``intercept`` rebound back once no layer of ours is alive, and the setters too once no
+processor of ours is. See docs/design.md ("Process-wide state").
 """
 
 from __future__ import annotations
 
 import functools
 import gc
+import threading
+import weakref
 from typing import Any
 
 import torch
@@ -22,10 +28,35 @@ from . import intercept
 from .layer import detach_layer, layer_of
 from .timestep import tracker_of
 
-__all__ = ["patch_diffusers", "unpatch_diffusers", "restore_if_unused", "drop_layer", "put_processor"]
+__all__ = ["hold_setters", "unpatch_diffusers", "restore_if_unused", "drop_layer", "put_processor"]
 
 #: (class, attribute name, Diffusers' original) for every setter we wrapped.
 _WRAPPED: list[tuple[type, str, Any]] = []
+#: How many processors of ours are alive (each holds the wrapping; a layer holds its processor).
+_holders = 0
+_holders_lock = threading.RLock()  # (a collection inside the lock may run a finalizer)
+
+
+def hold_setters(processor: Any, ours: type) -> None:
+    """Keep Diffusers' setters wrapped for as long as ``processor`` (an ``ours``) lives."""
+    global _holders
+    with _holders_lock:
+        _patch_diffusers(ours)
+        _holders += 1
+    weakref.finalize(processor, _release_setters).atexit = False
+
+
+def _release_setters() -> None:
+    """A processor of ours was collected: the last one takes the wrapping with it (its layers went first,
+    since each holds its processor)."""
+    global _holders
+    with _holders_lock:
+        _holders -= 1
+        if _holders:
+            return
+        if not intercept.live_layers():
+            intercept.restore_globals()
+        unpatch_diffusers()
 
 
 def put_processor(module: torch.nn.Module, processor: Any) -> None:
@@ -47,7 +78,8 @@ def drop_layer(module: torch.nn.Module, restore: bool, ours: type) -> None:
 
 
 def restore_if_unused(collect: bool = True) -> bool:
-    """Restore Diffusers' globals and setters once no layer of ours is alive; True if it did.
+    """Restore Diffusers' globals once no layer of ours is alive (True if so), and its setters once no
+    processor of ours is either.
 
     ``collect``: first free layers of models dropped in a reference cycle (a garbage collection:
     once per ``uninstall``, not per module).
@@ -57,13 +89,15 @@ def restore_if_unused(collect: bool = True) -> bool:
     if intercept.live_layers():
         return False
     restored = intercept.restore_globals()
-    unpatch_diffusers()
+    with _holders_lock:
+        if not _holders:
+            unpatch_diffusers()
     if restored:
         logger.debug("diffusers_trtllm: restored Diffusers' globals in %s", ", ".join(restored))
     return True
 
 
-def patch_diffusers(ours: type) -> None:
+def _patch_diffusers(ours: type) -> None:
     """Wrap Diffusers' processor setters (once) so installing an ``ours`` records the processor it replaces."""
     if _WRAPPED:
         return
