@@ -16,6 +16,7 @@ import json
 import os
 import platform
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +27,8 @@ from diffusers_trtllm.bench.inputs import parse_shapes, structured_qkv
 from diffusers_trtllm.bench.suite import heads_subset
 from diffusers_trtllm.bench.timing import time_fn
 from diffusers_trtllm.config import QuantConfig
-from diffusers_trtllm.kernels.sage_sm90 import BLOCK_M, BLOCK_N, sage_sm90_attention
+from diffusers_trtllm.kernels.sage_sm90 import (BLOCK_M, BLOCK_N, sage_sm90_attention, sage_sm90_attention_quantized,
+                                                 sage_sm90_quantize)
 from diffusers_trtllm.kernels.triton_attn import triton_attention
 from diffusers_trtllm.layout import PackedLayout
 from diffusers_trtllm.measure import cosine, rel_l1, threshold_for, tile_criticals
@@ -37,6 +39,10 @@ BUILDS = {
     "nopingpong": ("SAGE_SM90_PINGPONG=0",),
     "2stages": ("SAGE_SM90_STAGES=2",),
     "mufu-only": ("SAGE_SM90_SOFT_EXP=0",),
+    "overlap": ("SAGE_SM90_OVERLAP=1",),
+    "overlap-nopingpong": ("SAGE_SM90_OVERLAP=1", "SAGE_SM90_PINGPONG=0"),
+    "overlap-softexp2": ("SAGE_SM90_OVERLAP=1", "SAGE_SM90_SOFT_EXP=2"),
+    "overlap-softexp6": ("SAGE_SM90_OVERLAP=1", "SAGE_SM90_SOFT_EXP=6"),
 }
 
 
@@ -76,6 +82,15 @@ def run_shape(shape, builds, targets, iters) -> list[dict]:
         for label, factor in [("", None), ("+skip0", 0.0), *((f"+skip{int(t * 100)}", f) for t, f in factors.items())]:
             impls[f"sage-sm90[{name}]{label}"] = lambda d=defines, f=factor: sage_sm90_attention(
                 q, k, v, layout, softmax_scale=scale, quant=quant, skip_factor=f, defines=d).out
+    # Where a whole call's time goes (default build): the quantizer alone, the kernel alone on its output.
+    quantized = sage_sm90_quantize(q, k, v, layout, quant)
+
+    def quantizer_only():
+        sage_sm90_quantize(q, k, v, layout, quant)
+
+    impls["sage-sm90 quantizer only"] = quantizer_only
+    impls["sage-sm90[default] kernel only"] = lambda: sage_sm90_attention_quantized(
+        quantized, layout, dtype=q.dtype, softmax_scale=scale, quant=quant).out
     rows, base = [], None
     for name, fn in impls.items():
         try:
@@ -86,13 +101,26 @@ def run_shape(shape, builds, targets, iters) -> list[dict]:
             rows.append(dict(shape=shape.name, impl=name, error=f"{type(err).__name__}: {err}"))
             continue
         base = base or t
-        o = out.reshape(q.shape)[:, heads].float()
-        row = dict(shape=shape.name, impl=name, ms=t, vs_cudnn=base / t,
-                   tflops=shape.flops() / t / 1e9, rel_l1=rel_l1(o, ref), cosine=cosine(o, ref))
+        row = dict(shape=shape.name, impl=name, ms=t, vs_cudnn=base / t, tflops=shape.flops() / t / 1e9,
+                   host_ms=host_ms(fn) if t < 5.0 else None)
+        if out is not None:  # (the quantizer's row has no attention output)
+            o = out.reshape(q.shape)[:, heads].float()
+            row.update(rel_l1=rel_l1(o, ref), cosine=cosine(o, ref))
         rows.append(row)
-        print(f"{shape.name:14s} {name:34s} {t:8.3f} ms {base / t:6.3f}x  rel-L1 {row['rel_l1']:.4f}  "
-              f"cos {row['cosine']:.5f}", flush=True)
+        print(f"{shape.name:14s} {name:34s} {t:8.3f} ms {base / t:6.3f}x  rel-L1 {row.get('rel_l1', float('nan')):.4f}  "
+              f"host {row['host_ms'] or float('nan'):.3f} ms", flush=True)
     return rows
+
+
+def host_ms(fn, calls: int = 20) -> float:
+    """CPU time to enqueue one call (the GPU may still be busy): above the GPU time, the host bounds the call."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e3
 
 
 def _version(dist: str) -> str | None:
@@ -108,13 +136,19 @@ def markdown(result: dict) -> str:
     lines = [f"GPU {env['gpu']}, torch {env['torch']}, CUDA {env['cuda']}, cuDNN {env['cudnn']}, "
              f"SageAttention {env.get('sageattention', 'not recorded')}; "
              f"`{result['command']}`", "",
-             "| shape | implementation | ms | vs cuDNN | rel-L1 | cosine |", "|---|---|---:|---:|---:|---:|"]
+             "`host ms`: CPU time to enqueue one call (measured on calls under 5 ms); a call cannot run faster.", "",
+             "| shape | implementation | ms | vs cuDNN | rel-L1 | cosine | host ms |", "|---|---|---:|---:|---:|---:|---:|"]
+
+    def cell(value, fmt):
+        return "" if value is None else format(value, fmt)
+
     for r in result["rows"]:
         if "error" in r:
-            lines.append(f"| {r['shape']} | {r['impl']} | failed: {r['error']} | | | |")
+            lines.append(f"| {r['shape']} | {r['impl']} | failed: {r['error']} | | | | |")
         else:
-            lines.append(f"| {r['shape']} | {r['impl']} | {r['ms']:.3f} | {r['vs_cudnn']:.3f}x | {r['rel_l1']:.4f} | "
-                         f"{r['cosine']:.5f} |")
+            lines.append(f"| {r['shape']} | {r['impl']} | {r['ms']:.3f} | {r['vs_cudnn']:.3f}x | "
+                         f"{cell(r.get('rel_l1'), '.4f')} | {cell(r.get('cosine'), '.5f')} | "
+                         f"{cell(r.get('host_ms'), '.3f')} |")
     return "\n".join(lines) + "\n"
 
 

@@ -4,6 +4,8 @@ tests; head dims 64 and 128, GQA, fp16, extreme magnitudes and NaN."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -14,7 +16,8 @@ from test_triton_attn_gpu import (MAGNITUDES, NONFINITE, ROUTES, _inputs, _refer
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
 
-BUILDS = {"default": (), "no_pingpong": ("SAGE_SM90_PINGPONG=0",), "two_stages": ("SAGE_SM90_STAGES=2",)}
+BUILDS = {"default": (), "no_pingpong": ("SAGE_SM90_PINGPONG=0",), "two_stages": ("SAGE_SM90_STAGES=2",),
+          "overlap": ("SAGE_SM90_OVERLAP=1",)}
 
 
 @pytest.fixture(autouse=True)
@@ -67,16 +70,18 @@ def test_zero_skip_factor_skips_nothing():
 INT8_ROUTES = [(qk, skip) for qk, skip in ROUTES if qk == "int8"]
 
 
+@pytest.mark.parametrize("build", ["default", "overlap"])
 @pytest.mark.parametrize("dtype_qk,skip", INT8_ROUTES)
 @pytest.mark.parametrize("dtype,magnitude", MAGNITUDES)
-def test_extreme_magnitudes_stay_finite(dtype, magnitude, dtype_qk, skip):
-    check_extreme_magnitudes(_attention, 64, dtype, magnitude, dtype_qk, skip)
+def test_extreme_magnitudes_stay_finite(dtype, magnitude, dtype_qk, skip, build):
+    check_extreme_magnitudes(functools.partial(_attention, defines=BUILDS[build]), 64, dtype, magnitude, dtype_qk, skip)
 
 
+@pytest.mark.parametrize("build", ["default", "overlap"])
 @pytest.mark.parametrize("dtype_qk,skip", INT8_ROUTES)
 @pytest.mark.parametrize("tensor,value", NONFINITE)
-def test_nonfinite_inputs_propagate(tensor, value, dtype_qk, skip):
-    check_nonfinite_propagation(_attention, 64, tensor, value, dtype_qk, skip)
+def test_nonfinite_inputs_propagate(tensor, value, dtype_qk, skip, build):
+    check_nonfinite_propagation(functools.partial(_attention, defines=BUILDS[build]), 64, tensor, value, dtype_qk, skip)
 
 
 def test_auto_takes_it_for_int8_sage_on_long_keys_only():

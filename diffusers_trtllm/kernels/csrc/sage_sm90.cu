@@ -27,7 +27,9 @@
 // aligned group of 16 permuted (position 4t + 2h + e holds key 8h + 2t + e), so no shuffles are needed.
 //
 // Build knobs (-D): SAGE_SM90_STAGES (pipeline depth), SAGE_SM90_PINGPONG, SAGE_SM90_SOFT_EXP; the defaults
-// are the fastest measured (benchmarks/results/sage_sm90_sweep_h200.md).
+// are the fastest measured (benchmarks/results/sage_sm90_sweep_h200.md). SAGE_SM90_OVERLAP=1 builds FA3's
+// intra-warpgroup overlap instead (Q.K^T of tile n + 1 and P.V of tile n in two commit groups, softmax of
+// tile n + 1 beside the latter); it compiles clean but has not run on a GPU yet, so it is off by default.
 
 #include <stdint.h>
 #include <cuda_bf16.h>
@@ -41,6 +43,9 @@
 #endif
 #ifndef SAGE_SM90_PINGPONG
 #define SAGE_SM90_PINGPONG 1
+#endif
+#ifndef SAGE_SM90_OVERLAP  // FA3's intra-warpgroup overlap (softmax of tile n beside P.V of tile n - 1)
+#define SAGE_SM90_OVERLAP 0
 #endif
 
 namespace sage_sm90 {
@@ -74,6 +79,11 @@ struct Params {
   int q_shift;             // log2(q_block_size)
   int k_shift;             // log2(k_block_size)
   int count_skipped;
+};
+
+template <bool B>
+struct BoolConstant {
+  static constexpr bool value = B;
 };
 
 // ---- PTX wrappers -------------------------------------------------------------------------------------
@@ -173,24 +183,17 @@ __device__ __forceinline__ float ld_shared_f32(uint32_t addr) {
   return v;
 }
 
-struct MaxNan {
-  __device__ __forceinline__ float operator()(float a, float b) const { return max_nan(a, b); }
-};
-struct Add {
-  __device__ __forceinline__ float operator()(float a, float b) const { return a + b; }
-};
-
-// Reduction of 16 values in 4 dependent steps (a chain would take 15).
-template <typename Op>
-__device__ __forceinline__ float tree_reduce(float (&r)[16]) {
-  const Op op;
+// The NaN-propagating max of N values (N a power of two) in log2(N) dependent steps (a chain would take N - 1).
+template <int N>
+__device__ __forceinline__ float tree_max(float (&r)[N]) {
+  if constexpr (N == 1) {
+    return r[0];
+  } else {
+    float half[N / 2];
 #pragma unroll
-  for (int j = 0; j < 8; ++j) r[j] = op(r[j], r[j + 8]);
-#pragma unroll
-  for (int j = 0; j < 4; ++j) r[j] = op(r[j], r[j + 4]);
-  r[0] = op(r[0], r[2]);
-  r[1] = op(r[1], r[3]);
-  return op(r[0], r[1]);
+    for (int j = 0; j < N / 2; ++j) half[j] = max_nan(r[j], r[j + N / 2]);
+    return tree_max(half);
+  }
 }
 
 // Shared-memory matrix descriptor of a K-major tile whose rows are `row_bytes` long (64 or 128), swizzled
@@ -218,6 +221,15 @@ template <int N>
 __device__ __forceinline__ void fence_operand(int32_t (&x)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) asm volatile("" : "+r"(x[i])::"memory");
+}
+
+template <int N, int M>
+__device__ __forceinline__ void fence_operand(uint32_t (&x)[N][M]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+#pragma unroll
+    for (int j = 0; j < M; ++j) asm volatile("" : "+r"(x[i][j])::"memory");
+  }
 }
 
 __device__ __forceinline__ void setmaxnreg_dec24() { asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n"); }
@@ -320,12 +332,15 @@ __device__ __forceinline__ void issue_qk(int32_t (&acc)[64], uint64_t desc_q, ui
   for (int kk = 1; kk < D / 32; ++kk) wgmma_s8_m64n128k32<true>(acc, desc_q + 2 * kk, desc_k + 2 * kk);
 }
 
-// O += P V and the tile's row sums (fresh) for one KV tile: 128 keys in four k32 products each.
+// O += P V for one KV tile: 128 keys in four k32 products.
 template <int D>
-__device__ __forceinline__ void issue_pv(float (&o)[D / 2], float (&sums)[4], const uint32_t (&pa)[4][4],
-                                         uint64_t desc_v, uint64_t desc_ones) {
+__device__ __forceinline__ void issue_pv(float (&o)[D / 2], const uint32_t (&pa)[4][4], uint64_t desc_v) {
 #pragma unroll
   for (int kk = 0; kk < 4; ++kk) wgmma_pv<D>(o, pa[kk], desc_v + 2 * kk);
+}
+
+// The tile's row sums of P (fresh), by four k32 products with the ones row.
+__device__ __forceinline__ void issue_row_sums(float (&sums)[4], const uint32_t (&pa)[4][4], uint64_t desc_ones) {
   wgmma_e4m3_m64n8k32<false>(sums, pa[0], desc_ones);
 #pragma unroll
   for (int kk = 1; kk < 4; ++kk) wgmma_e4m3_m64n8k32<true>(sums, pa[kk], desc_ones + 2 * kk);
@@ -380,7 +395,8 @@ __device__ __forceinline__ bool tile_softmax(const int32_t (&acc)[64], uint32_t 
   float ks_max = 0.f;
 
   // Row maxima: per group over integers (exact), scaled once; -inf past the keys in a ragged tile.
-  float gm[2][16];
+  constexpr int NM = NG < 16 ? NG : 16;  // partial maxima per row (G == 1 pairs its groups)
+  float gm[2][NM];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
 #pragma unroll
@@ -394,7 +410,7 @@ __device__ __forceinline__ bool tile_softmax(const int32_t (&acc)[64], uint32_t 
           const float s = (MASKED && key_of(e, t) >= keys_left) ? NEG_INF : __fmul_rn(exact_float(acc[acc_index(r, e)]), k);
           best = max_nan(best, s);
         }
-        if constexpr (NG == 32) {  // G == 1: pairs go into the 16-wide tree
+        if constexpr (NG == 32) {
           if (g % 2 == 0) gm[r][g / 2] = best; else gm[r][g / 2] = max_nan(gm[r][g / 2], best);
         } else {
           gm[r][g] = best;
@@ -406,15 +422,13 @@ __device__ __forceinline__ bool tile_softmax(const int32_t (&acc)[64], uint32_t 
         gm[r][g] = __fmul_rn(exact_float(best), k);
       }
     }
-#pragma unroll
-    for (int g = (NG < 16 ? NG : 16); g < 16; ++g) gm[r][g] = NEG_INF;
   }
-  float mx0 = tree_reduce<MaxNan>(gm[0]), mx1 = tree_reduce<MaxNan>(gm[1]);
+  float mx0 = tree_max(gm[0]), mx1 = tree_max(gm[1]);
+  // A row's 128 keys are spread over the 4 lanes t of its quad.
   mx0 = max_nan(mx0, __shfl_xor_sync(0xffffffff, mx0, 1));
   mx0 = max_nan(mx0, __shfl_xor_sync(0xffffffff, mx0, 2));
   mx1 = max_nan(mx1, __shfl_xor_sync(0xffffffff, mx1, 1));
   mx1 = max_nan(mx1, __shfl_xor_sync(0xffffffff, mx1, 2));
-
   if (SKIP && vote) {  // skip when exp(local max - running max) < lambda on every row of the tile
     const float e0 = (mx0 - m_0) * qs0, e1 = (mx1 - m_1) * qs1;
     // The warpgroup's OR, then a warp vote of it: the same value, but one the compiler can see is uniform
@@ -472,7 +486,7 @@ __device__ __forceinline__ bool tile_softmax(const int32_t (&acc)[64], uint32_t 
 
 // The consumer warpgroups' part of the kernel (one branch of the role split, so that setmaxnreg can
 // give it 240 registers a thread).
-template <int D, int STAGES, int G, bool SKIP, bool PINGPONG, typename OutT>
+template <int D, int STAGES, int G, bool SKIP, bool PINGPONG, bool OVERLAP, typename OutT>
 __device__ __forceinline__ void consume(Smem<D, STAGES>& sm, const Params& p, int seq, int head, int kv_head,
                                         int q_start, int q_len, int m0, int kv_len, int n_tiles, int consumer) {
   setmaxnreg_inc240();
@@ -515,7 +529,7 @@ __device__ __forceinline__ void consume(Smem<D, STAGES>& sm, const Params& p, in
   float m_0 = NEG_INF, m_1 = NEG_INF, l_0 = 0.f, l_1 = 0.f;
   int skipped = 0;
   int32_t acc[64];
-  uint32_t pa[4][4];
+  uint32_t pa[4][4];  // P of the tile being made
 
   mbar_wait(&sm.full_q, 0);
   mbar_wait(&sm.full_k[0], 0);
@@ -527,52 +541,130 @@ __device__ __forceinline__ void consume(Smem<D, STAGES>& sm, const Params& p, in
   wgmma_wait<0>();
   fence_operand(acc);
 
-  // Per tile n: softmax of tile n (S in acc), then P.V of tile n and Q.K^T of tile n + 1 issued together,
-  // so the tensor cores run them back to back.
-  for (int n = 0; n < n_tiles; ++n) {
-    const int s = n % STAGES;
-    const uint32_t phase = (n / STAGES) & 1;
-    const bool more = n + 1 < n_tiles;
-    const int keys_left = kv_len - n * BLOCK_N;
-    const uint32_t k_scale_addr = smem_addr(sm.k_scale[s]);
-    float alpha0, alpha1;
-    const bool keep = keys_left < BLOCK_N
-        ? tile_softmax<G, true, SKIP>(acc, k_scale_addr, t, keys_left, n > 0, vote_barrier, ok0, ok1, log2_lam,
-                                      qs0, qs1, m_0, m_1, alpha0, alpha1, pa)
-        : tile_softmax<G, false, SKIP>(acc, k_scale_addr, t, keys_left, n > 0, vote_barrier, ok0, ok1, log2_lam,
-                                       qs0, qs1, m_0, m_1, alpha0, alpha1, pa);
-    if (keep) {
-      if (__any_sync(0xffffffff, alpha0 != 1.f || alpha1 != 1.f)) {  // no rescale while the maxima hold
-#pragma unroll
-        for (int i = 0; i < D / 2; ++i) o[i] *= (i % 4) < 2 ? alpha0 : alpha1;
+  if constexpr (OVERLAP) {
+    uint32_t pv[4][4];      // P of the tile whose P.V product is in flight
+    bool sums_due = false;  // the P.V group in flight is a kept tile's: add its row sums to l
+    // Per tile n (FA3's intra-warpgroup overlap): softmax of tile n runs while the tensor cores finish P.V of
+    // tile n - 1; then Q.K^T of tile n + 1 and P.V of tile n are issued, in that order and as two commit
+    // groups, so that the next softmax waits for the former only. The last tile (no Q.K^T to issue) is the
+    // same step with MORE false.
+    auto step = [&](int n, auto more_tag) {
+      constexpr bool MORE = decltype(more_tag)::value;
+      const int s = n % STAGES;
+      const int keys_left = kv_len - n * BLOCK_N;
+      const uint32_t k_scale_addr = smem_addr(sm.k_scale[s]);
+      if (n > 0) wgmma_wait<1>(); else wgmma_wait<0>();  // Q.K^T of tile n is done
+      fence_operand(acc);
+      float alpha0, alpha1;
+      const bool keep = keys_left < BLOCK_N
+          ? tile_softmax<G, true, SKIP>(acc, k_scale_addr, t, keys_left, n > 0, vote_barrier, ok0, ok1, log2_lam,
+                                        qs0, qs1, m_0, m_1, alpha0, alpha1, pa)
+          : tile_softmax<G, false, SKIP>(acc, k_scale_addr, t, keys_left, n > 0, vote_barrier, ok0, ok1, log2_lam,
+                                         qs0, qs1, m_0, m_1, alpha0, alpha1, pa);
+      wgmma_wait<0>();  // P.V of tile n - 1 is done: O, its row sums, pv and its stage are free
+      fence_operand(o);
+      fence_operand(sums);
+      fence_operand(pv);
+      if (sums_due) {
+        l_0 += sums[0];
+        l_1 += sums[2];
       }
-    } else {
-      ++skipped;
-    }
+      if (n > 0) {
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&sm.empty[(n - 1) % STAGES]);
+      }
+      if (keep) {
+        l_0 *= alpha0;
+        l_1 *= alpha1;
+        if (__any_sync(0xffffffff, alpha0 != 1.f || alpha1 != 1.f)) {  // no rescale while the maxima hold
+#pragma unroll
+          for (int i = 0; i < D / 2; ++i) o[i] *= (i % 4) < 2 ? alpha0 : alpha1;
+        }
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+#pragma unroll
+          for (int j = 0; j < 4; ++j) pv[kk][j] = pa[kk][j];
+        }
+      } else {
+        ++skipped;
+      }
+      sums_due = keep;
 
-    if (more) mbar_wait(&sm.full_k[(n + 1) % STAGES], ((n + 1) / STAGES) & 1);
-    mbar_wait(&sm.full_v[s], phase);  // a skipped tile's V must land too before its stage is reused
-    if (PINGPONG) named_sync(my_turn, 256);
-    if (keep) {
+      if (MORE) mbar_wait(&sm.full_k[(n + 1) % STAGES], ((n + 1) / STAGES) & 1);
+      mbar_wait(&sm.full_v[s], (n / STAGES) & 1);  // a skipped tile's V must land too before its stage is reused
+      if (PINGPONG) named_sync(my_turn, 256);
+      if (MORE) {
+        wgmma_fence();
+        issue_qk<D>(acc, desc_q, smem_desc(smem_addr(sm.k[(n + 1) % STAGES]), D));
+        wgmma_commit();
+      }
+      // A skipped tile still issues the row sums' small products (their result is not used), so that every
+      // step after the first starts with the same two groups in flight: ptxas keeps the products
+      // asynchronous only when the groups a wait retires are the same on every path.
       wgmma_fence();
-      issue_pv<D>(o, sums, pa, smem_desc(smem_addr(sm.v[s]), 128), smem_desc(smem_addr(sm.v[s] + D * BLOCK_N), 128));
-    }
-    if (more) {
-      wgmma_fence();
-      issue_qk<D>(acc, desc_q, smem_desc(smem_addr(sm.k[(n + 1) % STAGES]), D));
-    }
-    wgmma_commit();
-    if (PINGPONG) named_arrive(their_turn, 256);
+      if (keep) issue_pv<D>(o, pv, smem_desc(smem_addr(sm.v[s]), 128));
+      issue_row_sums(sums, pv, smem_desc(smem_addr(sm.v[s] + D * BLOCK_N), 128));
+      wgmma_commit();
+      if (PINGPONG) named_arrive(their_turn, 256);
+    };
+    for (int n = 0; n + 1 < n_tiles; ++n) step(n, BoolConstant<true>{});
+    step(n_tiles - 1, BoolConstant<false>{});
     wgmma_wait<0>();
     fence_operand(o);
     fence_operand(sums);
-    fence_operand(acc);
-    if (keep) {
-      l_0 = fmaf(l_0, alpha0, sums[0]);
-      l_1 = fmaf(l_1, alpha1, sums[2]);
+    if (sums_due) {
+      l_0 += sums[0];
+      l_1 += sums[2];
     }
-    __syncwarp();
-    if (lane == 0) mbar_arrive(&sm.empty[s]);
+  } else {
+    // Per tile n: softmax of tile n (S in acc), then P.V of tile n and Q.K^T of tile n + 1 issued together,
+    // so the tensor cores run them back to back, and waited for together.
+    for (int n = 0; n < n_tiles; ++n) {
+      const int s = n % STAGES;
+      const uint32_t phase = (n / STAGES) & 1;
+      const bool more = n + 1 < n_tiles;
+      const int keys_left = kv_len - n * BLOCK_N;
+      const uint32_t k_scale_addr = smem_addr(sm.k_scale[s]);
+      float alpha0, alpha1;
+      const bool keep = keys_left < BLOCK_N
+          ? tile_softmax<G, true, SKIP>(acc, k_scale_addr, t, keys_left, n > 0, vote_barrier, ok0, ok1, log2_lam,
+                                        qs0, qs1, m_0, m_1, alpha0, alpha1, pa)
+          : tile_softmax<G, false, SKIP>(acc, k_scale_addr, t, keys_left, n > 0, vote_barrier, ok0, ok1, log2_lam,
+                                         qs0, qs1, m_0, m_1, alpha0, alpha1, pa);
+      if (keep) {
+        if (__any_sync(0xffffffff, alpha0 != 1.f || alpha1 != 1.f)) {  // no rescale while the maxima hold
+#pragma unroll
+          for (int i = 0; i < D / 2; ++i) o[i] *= (i % 4) < 2 ? alpha0 : alpha1;
+        }
+      } else {
+        ++skipped;
+      }
+
+      if (more) mbar_wait(&sm.full_k[(n + 1) % STAGES], ((n + 1) / STAGES) & 1);
+      mbar_wait(&sm.full_v[s], phase);  // a skipped tile's V must land too before its stage is reused
+      if (PINGPONG) named_sync(my_turn, 256);
+      if (keep) {
+        wgmma_fence();
+        issue_pv<D>(o, pa, smem_desc(smem_addr(sm.v[s]), 128));
+        issue_row_sums(sums, pa, smem_desc(smem_addr(sm.v[s] + D * BLOCK_N), 128));
+      }
+      if (more) {
+        wgmma_fence();
+        issue_qk<D>(acc, desc_q, smem_desc(smem_addr(sm.k[(n + 1) % STAGES]), D));
+      }
+      wgmma_commit();
+      if (PINGPONG) named_arrive(their_turn, 256);
+      wgmma_wait<0>();
+      fence_operand(o);
+      fence_operand(sums);
+      fence_operand(acc);
+      if (keep) {
+        l_0 = fmaf(l_0, alpha0, sums[0]);
+        l_1 = fmaf(l_1, alpha1, sums[2]);
+      }
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&sm.empty[s]);
+    }
   }
   if (PINGPONG && consumer == 0) named_sync(my_turn, 256);  // the second consumer's last arrival
 
@@ -600,7 +692,7 @@ __device__ __forceinline__ void consume(Smem<D, STAGES>& sm, const Params& p, in
   if (SKIP && p.count_skipped && wg_has_rows && tid == 0) atomicAdd(p.stats, skipped);
 }
 
-template <int D, int STAGES, int G, bool SKIP, bool PINGPONG, typename OutT>
+template <int D, int STAGES, int G, bool SKIP, bool PINGPONG, bool OVERLAP, typename OutT>
 __device__ __forceinline__ void attention(const TensorMap* map_q, const TensorMap* map_k, const TensorMap* map_v,
                                           const Params& p) {
   extern __shared__ uint8_t smem_raw[];
@@ -659,7 +751,7 @@ __device__ __forceinline__ void attention(const TensorMap* map_q, const TensorMa
       }
     }
   } else {
-    consume<D, STAGES, G, SKIP, PINGPONG, OutT>(sm, p, seq, head, kv_head, q_start, q_len, m0, kv_len, n_tiles,
+    consume<D, STAGES, G, SKIP, PINGPONG, OVERLAP, OutT>(sm, p, seq, head, kv_head, q_start, q_len, m0, kv_len, n_tiles,
                                                 warpgroup - 1);
   }
 
@@ -672,7 +764,8 @@ __device__ __forceinline__ void attention(const TensorMap* map_q, const TensorMa
   extern "C" __global__ void __launch_bounds__(sage_sm90::THREADS, 1)                                      \
       NAME(const __grid_constant__ sage_sm90::TensorMap map_q, const __grid_constant__ sage_sm90::TensorMap map_k, \
            const __grid_constant__ sage_sm90::TensorMap map_v, const sage_sm90::Params params) {                \
-    sage_sm90::attention<D, SAGE_SM90_STAGES, G, SKIP, SAGE_SM90_PINGPONG, OUT>(&map_q, &map_k, &map_v, params); \
+    sage_sm90::attention<D, SAGE_SM90_STAGES, G, SKIP, SAGE_SM90_PINGPONG, SAGE_SM90_OVERLAP, OUT>(        \
+        &map_q, &map_k, &map_v, params);                                                                    \
   }                                                                                                         \
   extern "C" __device__ const int NAME##_smem = sage_sm90::smem_bytes<D, SAGE_SM90_STAGES>();
 
