@@ -541,6 +541,24 @@ __device__ __forceinline__ void consume(Smem<D, STAGES>& sm, const Params& p, in
   wgmma_wait<0>();
   fence_operand(acc);
 
+  // Softmax of tile n (S in acc) into pa (the ragged last tile masked): whether the tile is kept, and each
+  // row's rescale of O.
+  auto softmax = [&](int n, float& alpha0, float& alpha1) {
+    const int keys_left = kv_len - n * BLOCK_N;
+    const uint32_t k_scale_addr = smem_addr(sm.k_scale[n % STAGES]);
+    return keys_left < BLOCK_N
+        ? tile_softmax<G, true, SKIP>(acc, k_scale_addr, t, keys_left, n > 0, vote_barrier, ok0, ok1, log2_lam, qs0,
+                                      qs1, m_0, m_1, alpha0, alpha1, pa)
+        : tile_softmax<G, false, SKIP>(acc, k_scale_addr, t, keys_left, n > 0, vote_barrier, ok0, ok1, log2_lam, qs0,
+                                       qs1, m_0, m_1, alpha0, alpha1, pa);
+  };
+  auto rescale_o = [&](float alpha0, float alpha1) {
+    if (__any_sync(0xffffffff, alpha0 != 1.f || alpha1 != 1.f)) {  // no rescale while the maxima hold
+#pragma unroll
+      for (int i = 0; i < D / 2; ++i) o[i] *= (i % 4) < 2 ? alpha0 : alpha1;
+    }
+  };
+
   if constexpr (OVERLAP) {
     uint32_t pv[4][4];      // P of the tile whose P.V product is in flight
     bool sums_due = false;  // the P.V group in flight is a kept tile's: add its row sums to l
@@ -551,16 +569,10 @@ __device__ __forceinline__ void consume(Smem<D, STAGES>& sm, const Params& p, in
     auto step = [&](int n, auto more_tag) {
       constexpr bool MORE = decltype(more_tag)::value;
       const int s = n % STAGES;
-      const int keys_left = kv_len - n * BLOCK_N;
-      const uint32_t k_scale_addr = smem_addr(sm.k_scale[s]);
       if (n > 0) wgmma_wait<1>(); else wgmma_wait<0>();  // Q.K^T of tile n is done
       fence_operand(acc);
       float alpha0, alpha1;
-      const bool keep = keys_left < BLOCK_N
-          ? tile_softmax<G, true, SKIP>(acc, k_scale_addr, t, keys_left, n > 0, vote_barrier, ok0, ok1, log2_lam,
-                                        qs0, qs1, m_0, m_1, alpha0, alpha1, pa)
-          : tile_softmax<G, false, SKIP>(acc, k_scale_addr, t, keys_left, n > 0, vote_barrier, ok0, ok1, log2_lam,
-                                         qs0, qs1, m_0, m_1, alpha0, alpha1, pa);
+      const bool keep = softmax(n, alpha0, alpha1);
       wgmma_wait<0>();  // P.V of tile n - 1 is done: O, its row sums, pv and its stage are free
       fence_operand(o);
       fence_operand(sums);
@@ -576,10 +588,7 @@ __device__ __forceinline__ void consume(Smem<D, STAGES>& sm, const Params& p, in
       if (keep) {
         l_0 *= alpha0;
         l_1 *= alpha1;
-        if (__any_sync(0xffffffff, alpha0 != 1.f || alpha1 != 1.f)) {  // no rescale while the maxima hold
-#pragma unroll
-          for (int i = 0; i < D / 2; ++i) o[i] *= (i % 4) < 2 ? alpha0 : alpha1;
-        }
+        rescale_o(alpha0, alpha1);
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
 #pragma unroll
@@ -623,19 +632,10 @@ __device__ __forceinline__ void consume(Smem<D, STAGES>& sm, const Params& p, in
       const int s = n % STAGES;
       const uint32_t phase = (n / STAGES) & 1;
       const bool more = n + 1 < n_tiles;
-      const int keys_left = kv_len - n * BLOCK_N;
-      const uint32_t k_scale_addr = smem_addr(sm.k_scale[s]);
       float alpha0, alpha1;
-      const bool keep = keys_left < BLOCK_N
-          ? tile_softmax<G, true, SKIP>(acc, k_scale_addr, t, keys_left, n > 0, vote_barrier, ok0, ok1, log2_lam,
-                                        qs0, qs1, m_0, m_1, alpha0, alpha1, pa)
-          : tile_softmax<G, false, SKIP>(acc, k_scale_addr, t, keys_left, n > 0, vote_barrier, ok0, ok1, log2_lam,
-                                         qs0, qs1, m_0, m_1, alpha0, alpha1, pa);
+      const bool keep = softmax(n, alpha0, alpha1);
       if (keep) {
-        if (__any_sync(0xffffffff, alpha0 != 1.f || alpha1 != 1.f)) {  // no rescale while the maxima hold
-#pragma unroll
-          for (int i = 0; i < D / 2; ++i) o[i] *= (i % 4) < 2 ? alpha0 : alpha1;
-        }
+        rescale_o(alpha0, alpha1);
       } else {
         ++skipped;
       }
