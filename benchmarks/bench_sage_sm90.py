@@ -43,6 +43,10 @@ BUILDS = {
     "overlap-nopingpong": ("SAGE_SM90_OVERLAP=1", "SAGE_SM90_PINGPONG=0"),
     "overlap-softexp2": ("SAGE_SM90_OVERLAP=1", "SAGE_SM90_SOFT_EXP=2"),
     "overlap-softexp6": ("SAGE_SM90_OVERLAP=1", "SAGE_SM90_SOFT_EXP=6"),
+    "half-poly": ("SAGE_SM90_HALF_POLY=1",),
+    "overlap-half-poly": ("SAGE_SM90_OVERLAP=1", "SAGE_SM90_HALF_POLY=1"),
+    "overlap-half-poly-softexp6": ("SAGE_SM90_OVERLAP=1", "SAGE_SM90_HALF_POLY=1", "SAGE_SM90_SOFT_EXP=6"),
+    "overlap-half-poly-softexp8": ("SAGE_SM90_OVERLAP=1", "SAGE_SM90_HALF_POLY=1", "SAGE_SM90_SOFT_EXP=8"),
 }
 
 

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -140,12 +141,13 @@ def test_compile_error_says_which_file_and_why(tmp_path, monkeypatch):
 
 
 @pytest.mark.skipif(cuda_jit.find_nvcc() is None, reason="needs nvcc")
-@pytest.mark.parametrize("defines", [(), ("SAGE_SM90_OVERLAP=1",)], ids=["default", "overlap"])
+@pytest.mark.parametrize("defines", [(), ("SAGE_SM90_OVERLAP=1", "SAGE_SM90_HALF_POLY=1")],
+                         ids=["default", "overlap-half-poly"])
 def test_kernel_builds_for_sm90a_without_spills_or_serialized_products(tmp_path, defines):
     """ptxas's report for the default K block sizes (16 and 4): no local memory, and no wgmma serialized
     (C7510-C7520 'Potential Performance Loss'), which would cost the kernel most of its speed. The overlap
-    build is held to the same: ptxas serializes its products as soon as the groups in flight differ
-    between the paths into a wait."""
+    and half-precision exponential builds are held to the same: ptxas serializes the former's products as
+    soon as the groups in flight differ between the paths into a wait."""
     res = subprocess.run([cuda_jit.find_nvcc(), "-cubin", "-gencode=arch=compute_90a,code=sm_90a", "-O3", "-std=c++17",
                           "-Xptxas=-v", *(f"-D{d}" for d in defines), "-o", str(tmp_path / "k.cubin"), str(SOURCE)],
                          capture_output=True, text=True)
@@ -155,3 +157,34 @@ def test_kernel_builds_for_sm90a_without_spills_or_serialized_products(tmp_path,
     assert set(report) == set(sage_sm90.KERNEL_NAMES)
     spilling = {name for name, frame in report.items() if int(frame) and "_k1" not in name}
     assert not spilling, f"local memory in {sorted(spilling)}"
+
+
+def _f16_constant(name: str) -> np.float16:
+    """A packed f16x2 constant of ``exp2_e4m3x2`` (both halves the same), read from the source."""
+    word = int(re.search(rf"{name} = 0x([0-9A-F]{{8}})u", SOURCE.read_text()).group(1), 16)
+    assert word >> 16 == word & 0xFFFF
+    return np.array([word & 0xFFFF], dtype=np.uint16).view(np.float16)[0]
+
+
+def test_half_precision_exponential_is_far_inside_fp8_rounding():
+    """``exp2_e4m3x2``'s arithmetic step for step in numpy float16 (each operation rounded, as the
+    f16x2 instructions round): 2^x within 5e-3 relative over the fast path's exponents, unbiased, and
+    almost always the same e4m3 code as the exact value's (fp8's steps are 6-12%)."""
+    c1, c2, one, f1536, minus14 = (_f16_constant(n) for n in ("C1", "C2", "ONE", "F16_1536", "MINUS_14"))
+    assert (one, f1536, minus14) == (1.0, 1536.0, -14.0)
+    y = np.linspace(-14.0, 8.81, 200_001, dtype=np.float32)
+    h = np.maximum(y.astype(np.float16), minus14)
+    t = (h + f1536).astype(np.float16)
+    f = (h - (t - f1536).astype(np.float16)).astype(np.float16)
+    p = (f * c2 + c1).astype(np.float16)
+    p = (p * f + one).astype(np.float16)
+    bits = t.view(np.uint16).astype(np.int64) - 0x65F1  # n + 15: 2^n's exponent field
+    assert bits.min() >= 1 and bits.max() <= 24
+    pow2 = (bits << 10).astype(np.uint16).view(np.float16)
+    got = (p * pow2).astype(np.float16).astype(np.float64)
+    exact = 2.0 ** y.astype(np.float64)
+    rel = (got - exact) / exact
+    assert np.abs(rel).max() < 5e-3 and abs(rel.mean()) < 1e-3
+    e4m3 = torch.float8_e4m3fn
+    same = torch.tensor(got).to(e4m3) == torch.tensor(exact).to(e4m3)
+    assert same.float().mean() > 0.97

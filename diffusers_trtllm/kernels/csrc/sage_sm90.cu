@@ -29,7 +29,8 @@
 // Build knobs (-D): SAGE_SM90_STAGES (pipeline depth), SAGE_SM90_PINGPONG, SAGE_SM90_SOFT_EXP; the defaults
 // are the fastest measured (benchmarks/results/sage_sm90_sweep_h200.md). SAGE_SM90_OVERLAP=1 builds FA3's
 // intra-warpgroup overlap instead (Q.K^T of tile n + 1 and P.V of tile n in two commit groups, softmax of
-// tile n + 1 beside the latter); it compiles clean but has not run on a GPU yet, so it is off by default.
+// tile n + 1 beside the latter), SAGE_SM90_HALF_POLY=1 the FMA-pipe exponentials two at a time in half
+// precision (exp2_e4m3x2); both compile clean but have not run on a GPU yet, so they are off by default.
 
 #include <stdint.h>
 #include <cuda_bf16.h>
@@ -43,6 +44,9 @@
 #endif
 #ifndef SAGE_SM90_PINGPONG
 #define SAGE_SM90_PINGPONG 1
+#endif
+#ifndef SAGE_SM90_HALF_POLY  // the FMA-pipe exponentials two at a time in half precision (exp2_e4m3x2)
+#define SAGE_SM90_HALF_POLY 0
 #endif
 #ifndef SAGE_SM90_OVERLAP  // FA3's intra-warpgroup overlap (softmax of tile n beside P.V of tile n - 1)
 #define SAGE_SM90_OVERLAP 0
@@ -165,12 +169,41 @@ __device__ __forceinline__ float exp2_poly(float x) {
   return __int_as_float(__float_as_int(p) + (__float_as_int(t) << 23));
 }
 
-// Four floats to four e4m3 bytes, `a` in the lowest byte (round to nearest even, saturating).
+// Two floats to two e4m3 bytes, `lo` in the low byte (round to nearest even, saturating).
+__device__ __forceinline__ uint16_t e4m3x2(float lo, float hi) {
+  uint16_t q;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(q) : "f"(hi), "f"(lo));
+  return q;
+}
+
+// Four floats to four e4m3 bytes, `a` in the lowest byte.
 __device__ __forceinline__ uint32_t pack_e4m3(float a, float b, float c, float d) {
-  uint16_t lo, hi;
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(lo) : "f"(b), "f"(a));
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(hi) : "f"(d), "f"(c));
-  return static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+  return static_cast<uint32_t>(e4m3x2(a, b)) | (static_cast<uint32_t>(e4m3x2(c, d)) << 16);
+}
+
+// e4m3 bytes of 2^lo and 2^hi (lo in the low byte) on the FMA pipe in half precision, two at a time
+// (SAGE_SM90_HALF_POLY): x = n + f with n = round(x) (by adding 1536 = 1.5 * 2^10), 2^f by a quadratic on
+// [-1/2, 1/2], times 2^n made from n's bits. Relative error under 5e-3 for x in [-14, 9] (mean 1.3e-3, no
+// bias to speak of), against fp8's 6% rounding step after it. x is clamped to -14 first: 2^-14 is 0 in e4m3
+// as well. For the fast path's finite exponents only (no NaN: its integer step would touch the other half).
+__device__ __forceinline__ uint16_t exp2_e4m3x2(float lo, float hi) {
+  constexpr uint32_t MINUS_14 = 0xCB00CB00u, F16_1536 = 0x66006600u, ONE = 0x3C003C00u;
+  constexpr uint32_t C1 = 0x39A039A0u, C2 = 0x33AD33ADu;  // 0.703, 0.2399: 2^f ~ 1 + f (C1 + f C2)
+  uint32_t x, t, n, f, p;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(x) : "f"(hi), "f"(lo));
+  asm("max.f16x2 %0, %1, %2;\n" : "=r"(x) : "r"(x), "r"(MINUS_14));
+  asm("add.rn.f16x2 %0, %1, %2;\n" : "=r"(t) : "r"(x), "r"(F16_1536));  // 1536 + round(x), exactly
+  asm("sub.rn.f16x2 %0, %1, %2;\n" : "=r"(n) : "r"(t), "r"(F16_1536));
+  asm("sub.rn.f16x2 %0, %1, %2;\n" : "=r"(f) : "r"(x), "r"(n));
+  asm("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(p) : "r"(f), "r"(C2), "r"(C1));
+  asm("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(p) : "r"(p), "r"(f), "r"(ONE));
+  // 2^n per half: t's bits are 0x6600 + n, and (n + 15) << 10 is 2^n's; n + 15 in [1, 24] keeps each half
+  // apart (no borrow, no carry), so one 32-bit multiply-add does both.
+  const uint32_t pow2 = (t - 0x65F165F1u) * 1024u;
+  asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(p) : "r"(p), "r"(pow2));
+  uint16_t q;
+  asm("cvt.rn.satfinite.e4m3x2.f16x2 %0, %1;\n" : "=h"(q) : "r"(p));
+  return q;
 }
 
 // An int32 |x| < 2^22 as an exact float: adding 1.5 * 2^23's bit pattern places x in the mantissa. An
@@ -371,6 +404,14 @@ __device__ __forceinline__ void pack_p(uint32_t (&a)[4], const float (&x)[16]) {
   a[3] = pack_e4m3(x[10], x[11], x[14], x[15]);
 }
 
+// The same from e4m3 pairs: q[j] holds values 2j and 2j + 1.
+__device__ __forceinline__ void pack_p_pairs(uint32_t (&a)[4], const uint16_t (&q)[8]) {
+  a[0] = q[0] | (static_cast<uint32_t>(q[2]) << 16);
+  a[1] = q[1] | (static_cast<uint32_t>(q[3]) << 16);
+  a[2] = q[4] | (static_cast<uint32_t>(q[6]) << 16);
+  a[3] = q[5] | (static_cast<uint32_t>(q[7]) << 16);
+}
+
 // Accumulator index of a thread's e-th score of row r (e in [0, 32): chunk e / 2, column e % 2).
 __device__ __forceinline__ constexpr int acc_index(int r, int e) { return 4 * (e / 2) + 2 * r + e % 2; }
 // Key (within the tile) of a thread's e-th score: chunk e / 2 covers keys 8 (e / 2) .. + 7.
@@ -461,9 +502,23 @@ __device__ __forceinline__ bool tile_softmax(const int32_t (&acc)[64], uint32_t 
         const float c = ld_shared_f32(k_scale_addr + 4 * key_of(G * (e / G), t)) * qs[r];
         const float b = fmaf(-12582912.0f, c, base[r]);  // S's float below is S + 1.5 * 2^23
         const float y = fmaf(__int_as_float(acc[idx] + 0x4B400000), c, b);
-        x[i] = (idx / 4 < SAGE_SM90_SOFT_EXP) ? exp2_poly(y) : exp2_approx(y);
+        if constexpr (SAGE_SM90_HALF_POLY) {
+          x[i] = y;  // exponentiated in pairs below
+        } else {
+          x[i] = (idx / 4 < SAGE_SM90_SOFT_EXP) ? exp2_poly(y) : exp2_approx(y);
+        }
       }
-      pack_p(pa[kk], x);
+      if constexpr (SAGE_SM90_HALF_POLY) {
+        uint16_t q[8];  // q[j]: values 2j and 2j + 1
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          q[j] = (16 * kk + 2 * j) / 4 < SAGE_SM90_SOFT_EXP ? exp2_e4m3x2(x[2 * j], x[2 * j + 1])
+                                                          : e4m3x2(exp2_approx(x[2 * j]), exp2_approx(x[2 * j + 1]));
+        }
+        pack_p_pairs(pa[kk], q);
+      } else {
+        pack_p(pa[kk], x);
+      }
     }
   } else {
 #pragma unroll
