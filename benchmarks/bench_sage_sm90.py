@@ -1,6 +1,8 @@
 """Sweep the ``sage-sm90`` kernel's builds beside cuDNN, SageAttention2 and the triton int8 route (H100/H200).
 
     python3 benchmarks/bench_sage_sm90.py --shapes wan_14b_480p,flux_1024 --out benchmarks/results/sage_sm90_sweep_h200.json
+    DIFFUSERS_TRTLLM_CACHE=.cubin-cache python3 benchmarks/bench_sage_sm90.py --builds default,overlap --build-only
+        (on any machine with nvcc: the cubins a GPU session then carries instead of compiling)
 
 Whole calls (quantization included), structured inputs (locality 0.5), median CUDA-event time; speed is a
 ratio to cuDNN SDPA timed in the same run on the same inputs; rel-L1 / cosine against fp32 dense attention
@@ -22,13 +24,14 @@ import torch
 import torch.nn.functional as F
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from tqdm import tqdm
 
 from diffusers_trtllm.bench.inputs import parse_shapes, structured_qkv
 from diffusers_trtllm.bench.suite import heads_subset
 from diffusers_trtllm.bench.timing import time_fn
 from diffusers_trtllm.config import QuantConfig
 from diffusers_trtllm.kernels.sage_sm90 import (BLOCK_M, BLOCK_N, sage_sm90_attention, sage_sm90_attention_quantized,
-                                                 sage_sm90_quantize)
+                                                 sage_sm90_cubin, sage_sm90_quantize)
 from diffusers_trtllm.kernels.triton_attn import triton_attention
 from diffusers_trtllm.layout import PackedLayout
 from diffusers_trtllm.measure import cosine, rel_l1, threshold_for, tile_criticals
@@ -163,8 +166,18 @@ def main() -> None:
     p.add_argument("--target-skips", default="0.5")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--out", default=None, help="JSON results file; a Markdown table is written beside it")
+    p.add_argument("--build-only", action="store_true",
+                   help="compile the builds' cubins into the cache ($DIFFUSERS_TRTLLM_CACHE) and stop: no GPU needed, "
+                        "so a GPU session can carry them instead of compiling")
     args = p.parse_args()
+    unknown = [b for b in args.builds.split(",") if b and b not in BUILDS]
+    if unknown:
+        p.error(f"unknown builds {unknown}; known: {', '.join(BUILDS)}")
     builds = {b: BUILDS[b] for b in args.builds.split(",") if b}
+    if args.build_only:
+        for name, defines in tqdm(builds.items(), desc="nvcc", unit="build"):
+            print(name, sage_sm90_cubin(defines), flush=True)
+        return
     targets = [float(x) for x in args.target_skips.split(",") if x]
     rows = []
     for shape in parse_shapes(args.shapes):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -27,7 +28,7 @@ if TYPE_CHECKING:  # triton_quant imports Triton, which this module leaves to fi
     from .triton_quant import TritonSage
 
 __all__ = ["SageSm90Route", "sage_sm90_attention", "sage_sm90_attention_quantized", "sage_sm90_quantize",
-           "sage_sm90_missing", "kernel_name", "BLOCK_M", "BLOCK_N"]
+           "sage_sm90_cubin", "sage_sm90_missing", "kernel_name", "BLOCK_M", "BLOCK_N"]
 
 #: The skip rule's tiles: 64 query rows (one consumer warpgroup) x 128 keys.
 BLOCK_M, BLOCK_N = 64, 128
@@ -63,12 +64,13 @@ def sage_sm90_missing() -> str | None:
 
 
 @functools.lru_cache(maxsize=None)
-def _cubin(defines: tuple[str, ...]):
+def sage_sm90_cubin(defines: tuple[str, ...] = ()) -> Path:
+    """The kernel's cubin for sm_90a with these ``-D`` defines, compiled at first use and cached on disk."""
     return cuda_jit.compile_cubin(cuda_jit.source_path(_SOURCE), "90a", defines)
 
 
 def _kernels(device: torch.device, defines: tuple[str, ...] = ()) -> dict[str, cuda_jit.CudaKernel]:
-    return cuda_jit.load_kernels(_cubin(defines), KERNEL_NAMES, device)
+    return cuda_jit.load_kernels(sage_sm90_cubin(defines), KERNEL_NAMES, device)
 
 
 def _check_call(q: torch.Tensor, k: torch.Tensor, quant: QuantConfig | None) -> None:
