@@ -45,16 +45,16 @@ def _structured(lens, heads, dim, gen, locality=3.0):
 
 # ---- checks run in the interpreter child --------------------------------------------------------
 
-def _check_quantize(dtype_qk, q_block, k_block, smooth_k):
+def _check_quantize(dtype_qk, q_block, k_block, smooth_k, lens_q=LENS_Q, lens_kv=LENS_KV):
     from diffusers_trtllm.config import QuantConfig
     from diffusers_trtllm.kernels.reference import block_ids, sage_quantize
     from diffusers_trtllm.kernels.triton_quant import sage_quantize_triton
 
     gen = torch.Generator().manual_seed(1)
-    layout = _layout(LENS_Q, LENS_KV)
-    q = torch.randn(sum(LENS_Q), 4, 64, generator=gen).half()
-    k = (torch.randn(sum(LENS_KV), 2, 64, generator=gen) * 3 + 1).half()
-    v = torch.randn(sum(LENS_KV), 2, 64, generator=gen).half()
+    layout = _layout(lens_q, lens_kv)
+    q = torch.randn(sum(lens_q), 4, 64, generator=gen).half()
+    k = (torch.randn(sum(lens_kv), 2, 64, generator=gen) * 3 + 1).half()
+    v = torch.randn(sum(lens_kv), 2, 64, generator=gen).half()
     quant = QuantConfig(dtype_qk, q_block, k_block, smooth_k)
     got = sage_quantize_triton(q, k, v, layout, quant)
     ref = sage_quantize(q, k, v, layout.cu_seqlens_q, layout.cu_seqlens_kv, layout.q_lens, layout.kv_lens, quant)
@@ -70,7 +70,7 @@ def _check_quantize(dtype_qk, q_block, k_block, smooth_k):
     from diffusers_trtllm.kernels.triton_quant import vt_start
 
     starts = [vt_start.fn(b, s) for b, s in enumerate(layout.cu_seqlens_kv.tolist())]
-    for start, n in zip(starts, LENS_KV):
+    for start, n in zip(starts, lens_kv):
         used[start : start + n] = True
     assert torch.all(got.vt[:, ~used].float() == 0)
 
@@ -196,6 +196,8 @@ CASES = {
         for d in ("int8", "fp8_e4m3")
         for qb, kb, sm in ((1, 16, False), (4, 4, True), (16, 1, False))
     },
+    # An empty KV sequence between two others: its gap is zeroed too (the previous one's last tile reads it).
+    "quantize-int8-empty-kv-sequence": (_check_quantize, ("int8", 1, 16, False, (37, 0, 70), (45, 0, 100))),
     "dense-fp32-d64-gqa": (_check_attention, (torch.float32, 64, 2, None, None)),
     "dense-fp16-d128": (_check_attention, (torch.float16, 128, 4, None, None)),
     "dense-fp16-d64-skip": (_check_attention, (torch.float16, 64, 4, None, 0.05)),

@@ -2,9 +2,12 @@
 
 Produces docs/design.md's layout (the one ``reference.sage_quantize`` defines): Q/K int8
 or fp8 e4m3 with one scale per (head, block of consecutive tokens of one
-sequence), V fp8 e4m3 with one scale per (head, channel). Two small torch
-reductions run first (V's per-channel amax and, with ``smooth_k``, K's mean over
-all tokens); then one kernel launch quantizes every Q tile, K tile and V tile.
+sequence), V fp8 e4m3 with one scale per (head, channel). One kernel launch does it
+all (with ``smooth_k``, a torch mean of K over all tokens runs first): programs for
+the Q tiles and the K tiles of every sequence, and one program per (KV head, block of
+``V_CHANNELS`` channels) that reads its channels over every token twice, once for the
+channels' amax (their scales) and once to quantize, so no reduction has to finish
+before the launch.
 
 V is written transposed, ``[kv_heads * dim, padded tokens]``, because Hopper's
 fp8 tensor-core product needs the reduction dimension (tokens, in P·V)
@@ -41,6 +44,9 @@ __all__ = ["TritonSage", "sage_quantize_triton", "mma_key_column", "fp8_native",
 
 #: Tokens per program of the quantization kernel (a multiple of every block size).
 QUANT_BLOCK_T = 64
+#: V's channels per program, and the tokens it reads at a time (a 32-byte row of bf16 per token).
+V_CHANNELS, V_BLOCK_T = 16, 128
+_AMAX_FLOOR, _FP8_MAX = tl.constexpr(AMAX_FLOOR), tl.constexpr(FP8_MAX)
 
 
 def interpreting() -> bool:
@@ -163,11 +169,12 @@ def _sage_quant_kernel(
     q_ptr, k_ptr, v_ptr, qo_ptr, ko_ptr, vt_ptr,
     q_scale_ptr, k_scale_ptr, v_scale_ptr, k_mean_ptr,
     cu_q_ptr, cu_kv_ptr,
-    n_q_blocks, n_k_blocks, n_q_tiles, vt_stride,
+    n_q_blocks, n_k_blocks, n_q_tiles, n_kv_tiles, vt_stride, tokens_kv, num_seqs,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
     Q_BS: tl.constexpr, K_BS: tl.constexpr, QMAX: tl.constexpr, IS_INT8: tl.constexpr,
     SMOOTH_K: tl.constexpr, NATIVE: tl.constexpr, MMA_KEY_ORDER: tl.constexpr,
+    V_CH: tl.constexpr, V_BLOCK: tl.constexpr,
 ):
     tile = tl.program_id(0)
     seq = tl.program_id(1)
@@ -187,37 +194,68 @@ def _sage_quant_kernel(
             blk = tl.arange(0, BLOCK_T // Q_BS)
             first = start // Q_BS + seq + local // Q_BS
             tl.store(q_scale_ptr + head * n_q_blocks + first + blk, scale, mask=(local + blk * Q_BS) < length)
-    elif head < HKV:  # a K tile and a V tile of this sequence
+    elif tile < n_q_tiles + n_kv_tiles:  # a K tile of this sequence
+        if head < HKV:
+            start = tl.load(cu_kv_ptr + seq)
+            length = tl.load(cu_kv_ptr + seq + 1) - start
+            local = (tile - n_q_tiles) * BLOCK_T
+            if local < length:
+                ok = (local + rows) < length
+                tok = (start + local + rows).to(tl.int64)
+                x = tl.load(k_ptr + tok[:, None] * stride_kt + head * stride_kh + dims[None, :], mask=ok[:, None],
+                            other=0.0)
+                x = x.to(tl.float32)
+                if SMOOTH_K:
+                    x = tl.where(ok[:, None], x - tl.load(k_mean_ptr + head * D + dims)[None, :], 0.0)
+                y, scale = _quantize_tile(x, QMAX, K_BS, BLOCK_T, IS_INT8, NATIVE)
+                tl.store(ko_ptr + tok[:, None] * (HKV * D) + head * D + dims[None, :], y, mask=ok[:, None])
+                blk = tl.arange(0, BLOCK_T // K_BS)
+                first = start // K_BS + seq + local // K_BS
+                tl.store(k_scale_ptr + head * n_k_blocks + first + blk, scale, mask=(local + blk * K_BS) < length)
+    elif seq == 0 and head < HKV:  # V's channels (tile - n_q_tiles - n_kv_tiles) * V_CH ... of this head
+        _quantize_v_channels(v_ptr, vt_ptr, v_scale_ptr, cu_kv_ptr, (tile - n_q_tiles - n_kv_tiles) * V_CH, head,
+                             tokens_kv, num_seqs, vt_stride, stride_vt, stride_vh, D, NATIVE, MMA_KEY_ORDER, V_CH,
+                             V_BLOCK)
+
+
+@triton.jit
+def _quantize_v_channels(v_ptr, vt_ptr, v_scale_ptr, cu_kv_ptr, ch0, head, tokens_kv, num_seqs, vt_stride, stride_vt,
+                         stride_vh, D: tl.constexpr, NATIVE: tl.constexpr, MMA_KEY_ORDER: tl.constexpr,
+                         V_CH: tl.constexpr, V_BLOCK: tl.constexpr):
+    """V's channels ``ch0 .. ch0 + V_CH - 1`` of one head: their scales, from the amax over every token
+    (tokens outside any sequence included, as ``reference.sage_quantize``'s), then each sequence's values
+    in fp8, transposed, from column ``vt_start``, and the gap up to the next sequence's start zeroed (an
+    empty sequence's too: a neighbour's masked last tile reads it)."""
+    ch = ch0 + tl.arange(0, V_CH)
+    toks = tl.arange(0, V_BLOCK)
+    columns = v_ptr + head * stride_vh + ch[None, :]
+    amax = tl.zeros([V_CH], dtype=tl.float32)
+    for t0 in range(0, tokens_kv, V_BLOCK):
+        ok = (t0 + toks) < tokens_kv
+        x = tl.load(columns + (t0 + toks)[:, None].to(tl.int64) * stride_vt, mask=ok[:, None], other=0.0)
+        amax = _maximum_nan(amax, max_nan(tl.abs(x.to(tl.float32)), 0))
+    scale = tl.math.div_rn(tl.maximum(amax, _AMAX_FLOOR, propagate_nan=tl.PropagateNan.ALL), _FP8_MAX)
+    tl.store(v_scale_ptr + head * D + ch, scale)
+    v_rows = vt_ptr + (head * D + ch)[:, None].to(tl.int64) * vt_stride
+    zeros = tl.zeros([V_CH, V_BLOCK], dtype=vt_ptr.dtype.element_ty)
+    for seq in range(num_seqs):
         start = tl.load(cu_kv_ptr + seq)
         length = tl.load(cu_kv_ptr + seq + 1) - start
-        local = (tile - n_q_tiles) * BLOCK_T
-        if local < length:
-            ok = (local + rows) < length
-            tok = (start + local + rows).to(tl.int64)
-            x = tl.load(k_ptr + tok[:, None] * stride_kt + head * stride_kh + dims[None, :], mask=ok[:, None], other=0.0)
-            x = x.to(tl.float32)
-            if SMOOTH_K:
-                x = tl.where(ok[:, None], x - tl.load(k_mean_ptr + head * D + dims)[None, :], 0.0)
-            y, scale = _quantize_tile(x, QMAX, K_BS, BLOCK_T, IS_INT8, NATIVE)
-            tl.store(ko_ptr + tok[:, None] * (HKV * D) + head * D + dims[None, :], y, mask=ok[:, None])
-            blk = tl.arange(0, BLOCK_T // K_BS)
-            first = start // K_BS + seq + local // K_BS
-            tl.store(k_scale_ptr + head * n_k_blocks + first + blk, scale, mask=(local + blk * K_BS) < length)
-            v = tl.load(v_ptr + tok[:, None] * stride_vt + head * stride_vh + dims[None, :], mask=ok[:, None], other=0.0)
-            v = tl.math.div_rn(v.to(tl.float32), tl.load(v_scale_ptr + head * D + dims)[None, :])
-            v = round_fp8_grid(tl.clamp(v, -448.0, 448.0))
-            vq = tl.trans(v.to(tl.float8e4nv) if NATIVE else v.to(tl.float16))  # [D, BLOCK_T]: tokens contiguous
-            v_rows = vt_ptr + (head * D + dims)[:, None].to(tl.int64) * vt_stride
-            first = vt_start(seq, start)
-            cols = first + local + rows
-            gap_cols = first + length + rows
+        first = vt_start(seq, start)
+        for local in range(0, length, V_BLOCK):
+            ok = (local + toks) < length
+            x = tl.load(columns + (start + local + toks)[:, None].to(tl.int64) * stride_vt, mask=ok[:, None], other=0.0)
+            y = round_fp8_grid(tl.clamp(tl.math.div_rn(x.to(tl.float32), scale[None, :]), -448.0, 448.0))
+            vq = tl.trans(y.to(tl.float8e4nv) if NATIVE else y.to(tl.float16))  # [V_CH, V_BLOCK]: tokens contiguous
+            cols = first + local + toks
             if MMA_KEY_ORDER:
                 cols = mma_key_column(cols)
-                gap_cols = mma_key_column(gap_cols)
             tl.store(v_rows + cols[None, :], vq, mask=ok[None, :])
-            if local + BLOCK_T >= length:  # last tile: zero the gap up to the next sequence's start
-                gap = vt_start(seq + 1, start + length) - first - length
-                tl.store(v_rows + gap_cols[None, :], tl.zeros_like(vq), mask=(rows < gap)[None, :])
+        gap = vt_start(seq + 1, start + length) - first - length  # 17 .. 47 columns
+        gap_cols = first + length + toks
+        if MMA_KEY_ORDER:
+            gap_cols = mma_key_column(gap_cols)
+        tl.store(v_rows + gap_cols[None, :], zeros, mask=(toks < gap)[None, :])
 
 
 def sage_quantize_triton(
@@ -237,8 +275,7 @@ def sage_quantize_triton(
         raise ValueError("quant.dtype_qk='fp8_e4m3' needs an SM89+ GPU; use dtype_qk='int8'.")
     n_q_blocks = scale_slots(layout.q_lens, quant.q_block_size)
     n_k_blocks = scale_slots(layout.kv_lens, quant.k_block_size)
-    vmin, vmax = torch.aminmax(v, dim=0)
-    v_scale = torch.maximum(-vmin.float(), vmax.float()).clamp_min(AMAX_FLOOR) / FP8_MAX  # [kv_heads, dim]
+    v_scale = torch.empty(kv_heads, dim, dtype=torch.float32, device=q.device)  # written by the kernel
     k_mean = k.mean(dim=0, dtype=torch.float32) if quant.smooth_k else v_scale  # (unused without smooth_k)
     padded = vt_start.fn(layout.num_seqs, tokens_kv)
     out = TritonSage(
@@ -252,16 +289,16 @@ def sage_quantize_triton(
     )
     n_q_tiles = triton.cdiv(layout.max_seqlen_q, QUANT_BLOCK_T)
     n_kv_tiles = triton.cdiv(layout.max_seqlen_kv, QUANT_BLOCK_T)
-    grid = (n_q_tiles + n_kv_tiles, layout.num_seqs, heads)
+    grid = (n_q_tiles + n_kv_tiles + dim // V_CHANNELS, layout.num_seqs, heads)
     _sage_quant_kernel[grid](
         q, k, v, out.q, out.k, out.vt,
         out.q_scale, out.k_scale, v_scale, k_mean,
         layout.cu_seqlens_q, layout.cu_seqlens_kv,
-        n_q_blocks, n_k_blocks, n_q_tiles, padded,
+        n_q_blocks, n_k_blocks, n_q_tiles, n_kv_tiles, padded, tokens_kv, layout.num_seqs,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         H=heads, HKV=kv_heads, D=dim, BLOCK_T=QUANT_BLOCK_T,
         Q_BS=quant.q_block_size, K_BS=quant.k_block_size, QMAX=quant.qk_max,
         IS_INT8=qk_dtype == torch.int8, SMOOTH_K=quant.smooth_k, NATIVE=native, MMA_KEY_ORDER=mma_key_order,
-        num_warps=4,
+        V_CH=V_CHANNELS, V_BLOCK=V_BLOCK_T, num_warps=4,
     )
     return out
