@@ -423,7 +423,8 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as err:  # one line for the user; --debug shows where it came from
         if args.debug:
             raise
-        line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        text = str(getattr(err, "brief", None) or err).strip()  # NoRouteError's one-line form keeps its reasons
+        line = text.splitlines()[0] if text else type(err).__name__
         sys.exit(f"{PROG}{' calibrate' if calibrating else ''}: error: {line} (--debug shows the traceback)")
 
 
