@@ -317,6 +317,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if args.backend not in ("auto", *CPU_ROUTES):
             p.error(f"argument --backend: {args.backend!r} runs on a CUDA GPU, and the offline demo runs on the CPU; "
                     f"pass --backend {' or '.join(CPU_ROUTES)} (auto: reference), or --model on a GPU")
+        if args.backend == "sdpa" and args.fallback is None:  # the demo's second and third runs ask for skip-softmax
+            p.error("argument --backend: 'sdpa' runs dense attention only, and the demo's skip-softmax (+ SAGE) runs "
+                    "need a route that skips tiles; pass --backend reference (or auto), or add --fallback dense to "
+                    "run them dense on sdpa")
     why = _writable_directory(args.out)
     if why:
         p.error(f"argument --out: cannot write the images to {args.out!r}: {why}; pass a writable directory")
