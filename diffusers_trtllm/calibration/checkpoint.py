@@ -35,7 +35,7 @@ import torch
 from .._logging import warn_once
 from ..config import ControlTypeError, check_curve, unknown_keys_message
 from ..serving.layer import Calibration, LayerState, layer_of
-from ..serving.modules import denoisers, is_denoiser_name
+from ..serving.modules import denoisers, is_denoiser_name, uncompiled
 from ..version import __version__
 
 __all__ = [
@@ -244,7 +244,7 @@ def _per_denoiser(config: Mapping[str, Any]) -> bool:
 
 def _layers(transformer: torch.nn.Module) -> list[tuple[str, LayerState]]:
     found = []
-    for name, module in transformer.named_modules():
+    for name, module in uncompiled(transformer).named_modules():
         state = layer_of(module)
         if state is not None:
             state.name = name
