@@ -317,6 +317,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if args.backend not in ("auto", *CPU_ROUTES):
             p.error(f"argument --backend: {args.backend!r} runs on a CUDA GPU, and the offline demo runs on the CPU; "
                     f"pass --backend {' or '.join(CPU_ROUTES)} (auto: reference), or --model on a GPU")
+        if args.backend == "sdpa" and args.fallback is None:  # the demo's second and third runs ask for skip-softmax
+            p.error("argument --backend: 'sdpa' runs dense attention only, and the demo's skip-softmax (+ SAGE) runs "
+                    "need a route that skips tiles; pass --backend reference (or auto), or add --fallback dense to "
+                    "run them dense on sdpa")
     why = _writable_directory(args.out)
     if why:
         p.error(f"argument --out: cannot write the images to {args.out!r}: {why}; pass a writable directory")
@@ -423,7 +427,8 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as err:  # one line for the user; --debug shows where it came from
         if args.debug:
             raise
-        line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        text = str(getattr(err, "brief", None) or err).strip()  # NoRouteError's one-line form keeps its reasons
+        line = text.splitlines()[0] if text else type(err).__name__
         sys.exit(f"{PROG}{' calibrate' if calibrating else ''}: error: {line} (--debug shows the traceback)")
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import tiny_models
-from diffusers_trtllm import TrtllmAttnProcessor, load_calibration, stats
+from diffusers_trtllm import TrtllmAttnProcessor, install, load_calibration, stats
 from diffusers_trtllm.calibration.checkpoint import parse_sparse_attention_config
 from diffusers_trtllm.serving.layer import layer_of
 
@@ -50,6 +50,16 @@ def test_from_checkpoint_config(tmp_path):
     assert math.isclose(skip.scale_factor(1000), 2822.62 * math.exp(4.388 * 0.7))
     assert not layer_of(model.blocks[0].attn1).settings().skip.configured  # ignored: stays dense
     assert layer_of(model.blocks[1].attn2).ignored
+
+
+def test_a_compiled_model_keeps_its_layer_names_so_ignore_patterns_match():
+    model, _ = tiny_models.build("wan_t2v")
+    compiled = torch.compile(model)  # pipe.transformer = torch.compile(pipe.transformer): never run here
+    proc = TrtllmAttnProcessor(target_sparsity=0.5, backend="reference")
+    install(compiled, proc)
+    assert [s.name for s in proc.layers] == ["blocks.0.attn1", "blocks.0.attn2", "blocks.1.attn1", "blocks.1.attn2"]
+    assert load_calibration(compiled, _group()) == {"transformer": {"calibrated": 1, "ignored": 3, "uncovered": 0}}
+    assert layer_of(model.blocks[0].attn1).ignored and not layer_of(model.blocks[0].attn2).ignored
 
 
 def test_prefill_spelling_log_a_formula_and_user_target(tmp_path):

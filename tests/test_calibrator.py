@@ -69,6 +69,18 @@ def test_checkpoint_operating_point_applies_without_user_control(demo, tmp_path)
     assert abs(_measured_sparsity(proc) - 0.3) <= 0.05
 
 
+def test_calibrate_result_loads_straight_into_the_pipeline(demo):
+    pipe, _, cal = demo
+    proc = TrtllmAttnProcessor(target_sparsity=0.2, backend="reference")
+    install(pipe, proc)
+    assert load_calibration(pipe, cal) == load_calibration(pipe, cal.config())  # save_calibration takes either too
+    (group,) = cal.groups["transformer"]
+    assert all(math.isclose(s.calibration.a, group.a) for s in proc.layers)
+    with pytest.raises(TypeError, match=r"calibrate\(\)'s result") as err:
+        load_calibration(pipe, 3.5)
+    assert len(str(err.value)) < 300
+
+
 def test_table_is_long_format_per_layer_step_threshold(demo):
     _, _, cal = demo
     rows = cal.table()

@@ -41,6 +41,7 @@ def _refused(argv: list[str], capsys) -> str:
     (["--threshold", "0.1", "--target-sparsity", "0.3"], "exclusive"),
     (["--target-sparsity", "0.3", "--calibration", "README.md"], "could not be read as UTF-8 JSON"),
     (["--backend", "fa3"], "CUDA GPU"),
+    (["--backend", "sdpa"], "--fallback dense"),  # sdpa has no skip-softmax: the demo's sparse runs would fail
     (["--out", "README.md"], "--out"),
     (["--out", "README.md/below"], "--out"),
     (["calibrate", "--tile", "0", "128"], "--tile"),
@@ -68,6 +69,24 @@ def test_an_error_while_running_is_one_line_unless_debug(capsys):
     assert exit_info.value.code != 0 and "CUDA GPU" in str(exit_info.value) and "--debug" in str(exit_info.value)
     with pytest.raises(RuntimeError, match="CUDA GPU"):
         main(["--model", "some/model", "--debug"])
+
+
+def test_no_route_error_while_running_keeps_its_reasons_on_its_one_line(monkeypatch, capsys, tmp_path):
+    import torch
+
+    import diffusers_trtllm.__main__ as cli
+    from diffusers_trtllm import attention
+
+    def demo(args):
+        q = torch.randn(1, 16, 1, 8)
+        attention(q, q, q, skip=0.1, backend="sdpa")
+
+    monkeypatch.setattr(cli, "run_demo", demo)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--out", str(tmp_path)])
+    line = str(exit_info.value)
+    assert len(line.splitlines()) == 1
+    assert "backend='sdpa' cannot serve" in line and "no skip-softmax" in line and "fallback='dense'" in line, line
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -10,6 +10,7 @@ from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
 
 import tiny_models
 from diffusers_trtllm import DenoiseStepCallback, TrtllmAttnProcessor, attach_denoise_tracking
+from diffusers_trtllm.config import ControlTypeError
 from diffusers_trtllm.serving.timestep import TimestepNormalizer, detach_denoise_tracking
 from diffusers_trtllm.serving.layer import layer_of
 
@@ -121,3 +122,16 @@ def test_normalizer_detects_t_over_1000_and_raw():
     assert TimestepNormalizer(None)(900.0) == 0.9 and TimestepNormalizer(None, divisor=1.0)(0.3) == 0.3
     with pytest.raises(ValueError, match="normalized timestep"):
         TrtllmAttnProcessor().set_timestep(3.0)
+
+
+@pytest.mark.parametrize("t", ["0.5", True, torch.tensor([0.1, 0.2])])
+def test_set_timestep_refuses_what_is_not_a_number(t):
+    with pytest.raises(ControlTypeError, match="t must be a number"):
+        TrtllmAttnProcessor().set_timestep(t)
+
+
+def test_set_timestep_takes_a_number_or_a_one_element_tensor():
+    proc = TrtllmAttnProcessor()
+    for t, expected in ((0.25, 0.25), (1, 1.0), (torch.tensor(0.5), 0.5), (torch.tensor([0.75]), 0.75), (None, None)):
+        proc.set_timestep(t)
+        assert proc.fallback_timestep == expected

@@ -35,7 +35,7 @@ import torch
 from .._logging import warn_once
 from ..config import ControlTypeError, check_curve, unknown_keys_message
 from ..serving.layer import Calibration, LayerState, layer_of
-from ..serving.modules import denoisers, is_denoiser_name
+from ..serving.modules import denoisers, is_denoiser_name, uncompiled
 from ..version import __version__
 
 __all__ = [
@@ -167,18 +167,21 @@ def parse_sparse_attention_config(config: Mapping[str, Any]) -> list[Calibration
     return [_parse_group(str(name), group) for name, group in groups.items()]
 
 
-def read_calibration(source: str | os.PathLike | Mapping[str, Any]) -> Mapping[str, Any]:
-    """A calibration object from a dict, a JSON file, or a model directory's ``config.json``.
+def read_calibration(source: Any) -> Mapping[str, Any]:
+    """A calibration object from a dict, ``calibrate()``'s result, a JSON file, or a model directory's
+    ``config.json``.
 
     Every problem with the file (missing, unreadable, not UTF-8 JSON, not an object) raises a
     ``ValueError`` naming its path.
     """
+    if callable(getattr(source, "config", None)):  # calibrate()'s result, which save_calibration takes too
+        source = source.config()
     if isinstance(source, Mapping):
         return source
     if not isinstance(source, (str, os.PathLike)):
         raise ControlTypeError(
-            "calibration must be a path to a JSON file or model directory, a dict, or None; "
-            f"got {source!r} ({type(source).__name__})."
+            "calibration must be a path to a JSON file or model directory, a dict, calibrate()'s result, or None; "
+            f"got {source!r:.80} ({type(source).__name__})."
         )
     path = os.fspath(source)
     if os.path.isdir(path):
@@ -241,7 +244,7 @@ def _per_denoiser(config: Mapping[str, Any]) -> bool:
 
 def _layers(transformer: torch.nn.Module) -> list[tuple[str, LayerState]]:
     found = []
-    for name, module in transformer.named_modules():
+    for name, module in uncompiled(transformer).named_modules():
         state = layer_of(module)
         if state is not None:
             state.name = name
@@ -249,13 +252,13 @@ def _layers(transformer: torch.nn.Module) -> list[tuple[str, LayerState]]:
     return found
 
 
-def load_calibration(target: Any, path_or_dict: str | os.PathLike | Mapping[str, Any] | None = None) -> dict[str, dict[str, int]]:
+def load_calibration(target: Any, path_or_dict: Any = None) -> dict[str, dict[str, int]]:
     """Apply skip-softmax calibrations to the layers a ``TrtllmAttnProcessor`` serves.
 
     ``target``: a pipeline (each of its denoisers, ``serving.modules``: ``transformer`` and
     ``transformer_2``, ``unet``, ...) or one transformer, with the processor already installed.
-    ``path_or_dict``: None reads each denoiser's own config; a dict / JSON file / model directory
-    holds either one ``sparse_attention_config`` for all or one per component name
+    ``path_or_dict``: None reads each denoiser's own config; ``calibrate()``'s result, or a dict / JSON
+    file / model directory holding either one ``sparse_attention_config`` for all or one per component name
     (``{"transformer": ..., "transformer_2": ...}``).
     Returns, per transformer, how many layers got a curve and how many stay dense.
     """

@@ -79,7 +79,11 @@ def _auto_candidates(call: AttentionCall) -> list[Route]:
 
 
 class NoRouteError(ValueError):
-    """No route (or not the requested one) can serve the call; lists every route's reasons."""
+    """No route (or not the requested one) can serve the call; lists every route's reasons.
+
+    ``brief``: the same on one line (the requested route's reasons and the advice), for the command line,
+    which prints one line and would otherwise show only the heading.
+    """
 
     def __init__(self, call: AttentionCall, requested: str, reasons: dict[str, list[str]]) -> None:
         self.reasons = reasons
@@ -94,6 +98,8 @@ class NoRouteError(ValueError):
             advice.append("pass fallback='dense' to run it without skip-softmax/SAGE (one warning says so)")
         if requested != "auto":
             advice.append("or backend='auto' to let the library choose")
+        own = f": {'; '.join(reasons[requested])}" if reasons.get(requested) else ""
+        self.brief = f"{head} [{call.role}: {call.describe()}]{own}" + (f"; {'; '.join(advice)}." if advice else ".")
         super().__init__(
             f"{head} [{call.role}: {call.describe()}]:\n  "
             + "\n  ".join(lines)

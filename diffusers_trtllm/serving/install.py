@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from .._logging import logger
-from .modules import target_modules
+from .modules import target_modules, uncompiled
 from .processor import TrtllmAttnProcessor
 from .setters import drop_layer, put_processor, restore_if_unused
 from .timestep import detach_tracker, tracker_of
@@ -42,7 +42,7 @@ def install(target: Any, processor: TrtllmAttnProcessor) -> Any:
     tracker = None
     served = 0
     for module_root in target_modules(target).values():
-        for name, module in module_root.named_modules():
+        for name, module in uncompiled(module_root).named_modules():
             if not _has_processor(module):
                 continue
             # A processor of ours being replaced: the layer keeps the stock processor it recorded.

@@ -15,7 +15,7 @@ import torch
 
 from ..config import ControlTypeError
 
-__all__ = ["DENOISER_PREFIXES", "is_denoiser_name", "denoisers", "target_modules"]
+__all__ = ["DENOISER_PREFIXES", "is_denoiser_name", "denoisers", "target_modules", "uncompiled"]
 
 #: Pipeline components served: names starting with these.
 DENOISER_PREFIXES = ("transformer", "unet", "prior", "decoder")
@@ -47,3 +47,10 @@ def target_modules(target: Any, purpose: str = "serve") -> dict[str, torch.nn.Mo
     if isinstance(target, torch.nn.Module):
         return {"": target}
     return denoisers(target, purpose)
+
+
+def uncompiled(module: torch.nn.Module) -> torch.nn.Module:
+    """The model inside a ``torch.compile(model)`` wrapper, else ``module``: layers are named as in the model
+    (``blocks.0.attn1``, not ``_orig_mod.blocks.0.attn1``), so calibrations' ``ignore`` and ``targets`` match."""
+    inner = getattr(module, "_orig_mod", None)
+    return inner if isinstance(inner, torch.nn.Module) else module

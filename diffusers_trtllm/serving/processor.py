@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import numbers
 import weakref
 from dataclasses import dataclass, replace
 from typing import Any, Mapping
@@ -29,7 +30,7 @@ import torch
 
 from .. import stats
 from ..attention import check_route_choice
-from ..config import QuantConfig, SkipSoftmaxConfig, check_mapping, unknown_keys_message
+from ..config import ControlTypeError, QuantConfig, SkipSoftmaxConfig, check_mapping, unknown_keys_message
 from ..layout import LayoutCache
 from ..routing.policy import POLICIES
 from ..stats import StepRecord
@@ -320,7 +321,12 @@ class TrtllmAttnProcessor:
 
     # ---- timestep ------------------------------------------------------------------------
     def set_timestep(self, t: float | None) -> None:
-        """Publish the normalized timestep (1 = noise, 0 = clean) of the next calls of every layer served."""
+        """Publish the normalized timestep (1 = noise, 0 = clean) of the next calls of every layer served: a number,
+        a one-element tensor (a custom loop's ``timestep / 1000``) or None."""
+        if isinstance(t, torch.Tensor) and t.numel() == 1:
+            t = t.item()
+        if t is not None and (isinstance(t, bool) or not isinstance(t, numbers.Real)):  # float("0.5") would take text
+            raise ControlTypeError(f"t must be a number in [0, 1] or None; got {t!r:.60} ({type(t).__name__}).")
         if t is not None and not 0.0 <= float(t) <= 1.0:
             raise ValueError(f"t must be a normalized timestep in [0, 1] (raw timestep / num_train_timesteps); got {t!r}.")
         self._t_value = None if t is None else float(t)
