@@ -30,8 +30,8 @@ from diffusers_trtllm.bench.inputs import parse_shapes, structured_qkv
 from diffusers_trtllm.bench.suite import heads_subset
 from diffusers_trtllm.bench.timing import time_fn
 from diffusers_trtllm.config import QuantConfig
-from diffusers_trtllm.kernels.sage_sm90 import (BLOCK_M, BLOCK_N, sage_sm90_attention, sage_sm90_attention_quantized,
-                                                 sage_sm90_cubin, sage_sm90_quantize)
+from diffusers_trtllm.kernels.sage_sm90 import (BLOCK_M, BLOCK_N, sage_sm90_attention, sage_sm90_cubin,
+                                                 sage_sm90_quantize)
 from diffusers_trtllm.kernels.triton_attn import triton_attention
 from diffusers_trtllm.layout import PackedLayout
 from diffusers_trtllm.measure import cosine, rel_l1, threshold_for, tile_criticals
@@ -96,8 +96,8 @@ def run_shape(shape, builds, targets, iters) -> list[dict]:
         sage_sm90_quantize(q, k, v, layout, quant)
 
     impls["sage-sm90 quantizer only"] = quantizer_only
-    impls["sage-sm90[default] kernel only"] = lambda: sage_sm90_attention_quantized(
-        quantized, layout, dtype=q.dtype, softmax_scale=scale, quant=quant).out
+    impls["sage-sm90[default] kernel only"] = lambda: sage_sm90_attention(
+        q, k, v, layout, softmax_scale=scale, quant=quant, quantized=quantized).out
     rows, base = [], None
     for name, fn in impls.items():
         try:

@@ -27,8 +27,8 @@ from .triton_attn import LOG2E, TritonAttentionOutput, check_heads, tile_output,
 if TYPE_CHECKING:  # triton_quant imports Triton, which this module leaves to first use
     from .triton_quant import TritonSage
 
-__all__ = ["SageSm90Route", "sage_sm90_attention", "sage_sm90_attention_quantized", "sage_sm90_quantize",
-           "sage_sm90_cubin", "sage_sm90_missing", "kernel_name", "BLOCK_M", "BLOCK_N"]
+__all__ = ["SageSm90Route", "sage_sm90_attention", "sage_sm90_quantize", "sage_sm90_cubin", "sage_sm90_missing",
+           "kernel_name", "BLOCK_M", "BLOCK_N"]
 
 #: The skip rule's tiles: 64 query rows (one consumer warpgroup) x 128 keys.
 BLOCK_M, BLOCK_N = 64, 128
@@ -84,6 +84,14 @@ def _check_call(q: torch.Tensor, k: torch.Tensor, quant: QuantConfig | None) -> 
                          "for other work use backend='auto'.")
 
 
+def sage_sm90_quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PackedLayout,
+                       quant: QuantConfig) -> TritonSage:
+    """The kernel's inputs: the ``triton`` route's fused quantizer, with V's keys in this kernel's order."""
+    from .triton_quant import sage_quantize_triton
+
+    return sage_quantize_triton(q, k, v, layout, quant, mma_key_order=True)
+
+
 def sage_sm90_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -95,42 +103,20 @@ def sage_sm90_attention(
     skip_factor: float | None = None,
     collect_stats: bool = False,
     defines: tuple[str, ...] = (),
+    quantized: TritonSage | None = None,
 ) -> TritonAttentionOutput:
     """int8 SAGE attention (with skip-softmax when ``skip_factor`` is given) over packed ``[tokens, heads, dim]``.
 
     ``defines`` builds the kernel with other compile-time knobs (``SAGE_SM90_STAGES=3``,
-    ``SAGE_SM90_PINGPONG=0``): for the benchmark's sweeps."""
+    ``SAGE_SM90_OVERLAP=1``); ``quantized``, what :func:`sage_sm90_quantize` made of these q, k, v, runs the
+    kernel alone: both for the benchmark's sweeps."""
     _check_call(q, k, quant)
-    return sage_sm90_attention_quantized(
-        sage_sm90_quantize(q, k, v, layout, quant), layout, dtype=q.dtype, softmax_scale=softmax_scale, quant=quant,
-        skip_factor=skip_factor, collect_stats=collect_stats, defines=defines)
-
-
-def sage_sm90_quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PackedLayout,
-                       quant: QuantConfig) -> TritonSage:
-    """The kernel's inputs: the ``triton`` route's fused quantizer, with V's keys in this kernel's order."""
-    from .triton_quant import sage_quantize_triton
-
-    return sage_quantize_triton(q, k, v, layout, quant, mma_key_order=True)
-
-
-def sage_sm90_attention_quantized(
-    st: TritonSage,
-    layout: PackedLayout,
-    *,
-    dtype: torch.dtype,
-    softmax_scale: float,
-    quant: QuantConfig,
-    skip_factor: float | None = None,
-    collect_stats: bool = False,
-    defines: tuple[str, ...] = (),
-) -> TritonAttentionOutput:
-    """The kernel alone, on what :func:`sage_sm90_quantize` made (the benchmark times the two apart)."""
-    tokens_q, heads, dim = st.q.shape
-    tokens_kv, kv_heads = st.k.shape[:2]
-    out = torch.empty(tokens_q, heads, dim, dtype=dtype, device=st.q.device)
+    st = quantized if quantized is not None else sage_sm90_quantize(q, k, v, layout, quant)
+    tokens_q, heads, dim = q.shape
+    tokens_kv, kv_heads = k.shape[:2]
+    out = torch.empty(tokens_q, heads, dim, dtype=q.dtype, device=q.device)
     count = collect_stats and skip_factor is not None
-    stats = torch.zeros(1, dtype=torch.int32, device=out.device) if count else out
+    stats = torch.zeros(1, dtype=torch.int32, device=q.device) if count else out
     maps = (
         cuda_jit.TensorMap.tiles_2d(st.q.view(torch.uint8).view(tokens_q, heads * dim), dim, _CTA_ROWS),
         cuda_jit.TensorMap.tiles_2d(st.k.view(torch.uint8).view(tokens_kv, kv_heads * dim), dim, BLOCK_N),
@@ -143,9 +129,9 @@ def sage_sm90_attention_quantized(
         out.stride(0), out.stride(1), heads, heads // kv_heads,
         quant.q_block_size.bit_length() - 1, quant.k_block_size.bit_length() - 1, int(count),
     )
-    kernel = _kernels(out.device, tuple(defines))[kernel_name(dim, dtype, quant.k_block_size, skip_factor is not None)]
+    kernel = _kernels(q.device, tuple(defines))[kernel_name(dim, q.dtype, quant.k_block_size, skip_factor is not None)]
     grid = (-(-layout.max_seqlen_q // _CTA_ROWS), layout.num_seqs * heads, 1)
-    kernel.launch(grid, _THREADS, [*maps, params], torch.cuda.current_stream(out.device))
+    kernel.launch(grid, _THREADS, [*maps, params], torch.cuda.current_stream(q.device))
     return tile_output(out, stats, layout, heads, BLOCK_M, BLOCK_N, collect_stats, skip_factor)
 
 
