@@ -287,7 +287,45 @@ def test_rejects_unsupported_head_dim():
         triton_attention(q, q, q, _layout((8,), (8,)), softmax_scale=0.1)
 
 
+@pytest.mark.parametrize("sm,dtype_qk,mma_key_order,smooth_k", [(90, "int8", True, False), (90, "fp8_e4m3", False, True),
+                                                                (80, "int8", False, False)])
+def test_quantizer_compiles_for_the_gpu(sm, dtype_qk, mma_key_order, smooth_k):
+    """The one-launch quantizer through Triton's whole GPU pipeline (to PTX and cubin) without a GPU: the
+    interpreter above checks its values, not that its layouts (the V programs' [16 x 128] fp8 transpose
+    and masked stores) lower for a real target. SM80 has no fp8: V is kept in fp16 there."""
+    pytest.importorskip("triton")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import mangle_type
+
+    from diffusers_trtllm.kernels import triton_quant
+
+    native = sm >= 89
+    qk = torch.int8 if dtype_qk == "int8" else torch.float8_e4m3fn
+    bf16, f32, i32 = (torch.empty(16, dtype=t) for t in (torch.bfloat16, torch.float32, torch.int32))
+    quantized, vt = torch.empty(16, dtype=qk), torch.empty(16, dtype=torch.float8_e4m3fn if native else torch.float16)
+    runtime = (bf16, bf16, bf16, quantized, quantized, vt, f32, f32, f32, f32, i32, i32,
+               7, 7, 4, 4, 512, 300, 2, 512, 128, 256, 128, 256, 128)
+    constexprs = dict(H=4, HKV=2, D=128, BLOCK_T=triton_quant.QUANT_BLOCK_T, Q_BS=1, K_BS=16,
+                      QMAX=127 if dtype_qk == "int8" else 448, IS_INT8=dtype_qk == "int8", SMOOTH_K=smooth_k,
+                      NATIVE=native, MMA_KEY_ORDER=mma_key_order, V_CH=triton_quant.V_CHANNELS,
+                      V_BLOCK=triton_quant.V_BLOCK_T)
+    kernel = triton_quant._sage_quant_kernel
+    signature = {name: mangle_type(arg) for name, arg in zip(kernel.arg_names, runtime)}
+    signature.update({name: "constexpr" for name in constexprs})
+    try:
+        compiled = triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", sm, 32),
+                                  options=dict(num_warps=4))
+    except Exception as exc:  # a Triton without the CUDA backend, not a kernel bug
+        if "backend" in str(exc).lower() and "cuda" in str(exc).lower():
+            pytest.skip(f"this Triton cannot compile for CUDA: {exc}")
+        raise
+    assert compiled.asm["cubin"] and "st.global" in compiled.asm["ptx"]
+
+
 if __name__ == "__main__":
     if os.environ.get("TRITON_INTERPRET") != "1":
         sys.exit("run with TRITON_INTERPRET=1 (pytest does this for you)")
     print(json.dumps(_run_all()))
+
