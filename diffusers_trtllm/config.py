@@ -53,11 +53,12 @@ class ControlTypeError(TypeError, ValueError):
 
 
 def unknown_keys_message(where: str, unknown: Iterable[str], allowed: Iterable[str], what: str = "keys") -> str:
-    """``"<where> has unknown keys ..."`` with the closest allowed key for each, and the allowed ones."""
+    """``"<where> has unknown keys ..."`` with the closest allowed key for each (a misspelling, or a short
+    form such as ``threshold`` for ``skip_softmax_threshold``), and the allowed ones."""
     allowed = list(allowed)
     parts = []
     for key in sorted(map(str, unknown)):
-        close = difflib.get_close_matches(key, allowed, n=1)
+        close = difflib.get_close_matches(key, allowed, n=1) or [a for a in allowed if key and key in a][:1]
         parts.append(f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key))
     return f"{where} has unknown {what} {', '.join(parts)}; allowed: {', '.join(allowed)}."
 

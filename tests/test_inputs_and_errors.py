@@ -57,6 +57,9 @@ def test_unknown_keys_suggest_the_closest():
         TrtllmAttnProcessor(quant={"dtype_q": "int8"})
     with pytest.raises(ValueError, match=r"'slef' \(did you mean 'self'\?\)"):
         TrtllmAttnProcessor(roles={"slef": "dense"})
+    # The functional API's short name, in a role's settings: the processor's full name is suggested.
+    with pytest.raises(ValueError, match=r"'threshold' \(did you mean 'skip_softmax_threshold'\?\)"):
+        TrtllmAttnProcessor(roles={"self": {"threshold": 0.1}})
 
 
 # ---- row 2: functional skip forms ------------------------------------------------------------------
