@@ -45,7 +45,7 @@ def _structured(lens, heads, dim, gen, locality=3.0):
 
 # ---- checks run in the interpreter child --------------------------------------------------------
 
-def _check_quantize(dtype_qk, q_block, k_block, smooth_k, lens_q=LENS_Q, lens_kv=LENS_KV):
+def _check_quantize(dtype_qk, q_block, k_block, smooth_k, lens_q=LENS_Q, lens_kv=LENS_KV, mma_key_order=False):
     from diffusers_trtllm.config import QuantConfig
     from diffusers_trtllm.kernels.reference import block_ids, sage_quantize
     from diffusers_trtllm.kernels.triton_quant import sage_quantize_triton
@@ -56,7 +56,7 @@ def _check_quantize(dtype_qk, q_block, k_block, smooth_k, lens_q=LENS_Q, lens_kv
     k = (torch.randn(sum(lens_kv), 2, 64, generator=gen) * 3 + 1).half()
     v = torch.randn(sum(lens_kv), 2, 64, generator=gen).half()
     quant = QuantConfig(dtype_qk, q_block, k_block, smooth_k)
-    got = sage_quantize_triton(q, k, v, layout, quant)
+    got = sage_quantize_triton(q, k, v, layout, quant, mma_key_order=mma_key_order)
     ref = sage_quantize(q, k, v, layout.cu_seqlens_q, layout.cu_seqlens_kv, layout.q_lens, layout.kv_lens, quant)
     q_used = block_ids(layout.cu_seqlens_q, layout.q_lens, q_block)[0].unique()
     k_used = block_ids(layout.cu_seqlens_kv, layout.kv_lens, k_block)[0].unique()
@@ -67,12 +67,32 @@ def _check_quantize(dtype_qk, q_block, k_block, smooth_k, lens_q=LENS_Q, lens_kv
         assert torch.equal(a.float(), b.float()), f"{name}: {(a.float() != b.float()).sum()} values differ"
     # Columns between sequences of the transposed V are zeros (read by the masked last KV tile).
     used = torch.zeros(got.vt.shape[1], dtype=torch.bool)
-    from diffusers_trtllm.kernels.triton_quant import vt_start
+    from diffusers_trtllm.kernels.triton_quant import mma_key_column, vt_start
 
     starts = [vt_start.fn(b, s) for b, s in enumerate(layout.cu_seqlens_kv.tolist())]
     for start, n in zip(starts, lens_kv):
-        used[start : start + n] = True
+        cols = torch.arange(start, start + n)
+        used[mma_key_column.fn(cols) if mma_key_order else cols] = True
     assert torch.all(got.vt[:, ~used].float() == 0)
+
+
+def _check_quantize_properties():
+    """Hypothesis draws of ragged KV lengths (empty and short sequences, several V reads of 128 tokens,
+    lengths off the 16-column grid), block sizes and both key orders: bit-equal to the reference, gaps zero."""
+    from hypothesis import HealthCheck, example, given, settings
+    from hypothesis import strategies as st
+
+    @settings(derandomize=True, max_examples=8, deadline=None, database=None,
+              suppress_health_check=[HealthCheck.too_slow])
+    @example([5, 0, 130], (1, 16), False, True)  # a sequence shorter than a K block, an empty one
+    @example([0, 17, 128], (4, 4), True, False)
+    @given(st.lists(st.integers(0, 300), min_size=1, max_size=4).filter(any),
+           st.sampled_from([(1, 16), (4, 4), (16, 1)]), st.booleans(), st.booleans())
+    def check(lens_kv, blocks, smooth_k, mma_key_order):
+        lens_q = tuple(min(n, 40) for n in lens_kv)  # a sequence with no keys has no queries either
+        _check_quantize("int8", *blocks, smooth_k, lens_q, tuple(lens_kv), mma_key_order)
+
+    check()
 
 
 def _check_attention(dtype, dim, kv_heads, dtype_qk, skip):
@@ -198,6 +218,7 @@ CASES = {
     },
     # An empty KV sequence between two others: its gap is zeroed too (the previous one's last tile reads it).
     "quantize-int8-empty-kv-sequence": (_check_quantize, ("int8", 1, 16, False, (37, 0, 70), (45, 0, 100))),
+    "quantize-hypothesis-vs-reference": (_check_quantize_properties, ()),
     "dense-fp32-d64-gqa": (_check_attention, (torch.float32, 64, 2, None, None)),
     "dense-fp16-d128": (_check_attention, (torch.float16, 128, 4, None, None)),
     "dense-fp16-d64-skip": (_check_attention, (torch.float16, 64, 4, None, 0.05)),
