@@ -91,6 +91,28 @@ def test_fuse_qkv_projections_after_install_keeps_every_layer_served(family):
     assert all(len(s.records) == 1 for s in proc.layers)
 
 
+def test_unfuse_after_install_puts_the_unfused_stock_back():
+    """SD3's unfuse_qkv_projections() re-sets the processors it saved at fusing (ours): the stock processors
+    the fuse replaced come back under ours, and uninstall leaves what stock Diffusers would (a LoRA loaded
+    afterwards into to_q / to_k / to_v is used again)."""
+    model, inputs = tiny_models.build("sd3")
+    reference, _ = tiny_models.build("sd3")
+    reference.fuse_qkv_projections()
+    reference.unfuse_qkv_projections()
+    expected = {type(p).__name__ for p in reference.attn_processors.values()}
+    proc = TrtllmAttnProcessor()
+    install(model, proc)
+    model.fuse_qkv_projections()
+    assert {type(s.stock).__name__ for s in proc.layers} == {"FusedJointAttnProcessor2_0"}
+    model.unfuse_qkv_projections()
+    assert {type(s.stock).__name__ for s in proc.layers} == expected == {"JointAttnProcessor2_0"}
+    with torch.no_grad():
+        model(**inputs)
+    assert all(len(s.records) == 1 for s in proc.layers)
+    uninstall(model)
+    assert {type(p).__name__ for p in model.attn_processors.values()} == expected
+
+
 # ---- 4, 5. each run's and each processor's table is its own, from step 0 -----------------------
 def _steps(proc) -> list[int]:
     return [r["step"] for r in proc.step_table()]

@@ -78,6 +78,8 @@ class LayerState:
         #: True once a call settled the role (see ``serving.roles``).
         self.role_observed = False
         self.stock: Any = None
+        #: The stock processor a ``fuse_qkv_projections()`` replaced, put back when the model unfuses.
+        self.unfused_stock: Any = None
         self.mode: str | None = None
         self.reason = ""
         self.calibration: Calibration | None = None
@@ -143,7 +145,8 @@ class LayerState:
     def take_over(self, previous: "LayerState") -> None:
         """Carry what belongs to the module, not to a processor, from the state that served it until now:
         its name, role, stock processor, timestep tracker and calibration (the records stay behind)."""
-        for attr in ("name", "role", "role_observed", "stock", "reason", "tracker", "calibration", "ignored"):
+        for attr in ("name", "role", "role_observed", "stock", "unfused_stock", "reason", "tracker", "calibration",
+                     "ignored"):
             setattr(self, attr, getattr(previous, attr))
         self.refresh()
 

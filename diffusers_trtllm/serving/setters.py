@@ -113,7 +113,9 @@ def _patch_diffusers(ours: type) -> None:
             if isinstance(replaced, ours) and layer_of(self) is not None and _is_fused(self, processor):
                 # fuse_qkv_projections() after install: the fused processor does this layer's projections
                 # from now on, and ours keeps serving its attention.
+                unfused = layer_of(self).stock
                 replaced.bind(self, replaced=processor)
+                layer_of(self).unfused_stock = unfused
                 info_once(("fused", type(processor).__name__),
                           "TrtllmAttnProcessor: %s now does the fused projections; the attention calls stay served.",
                           type(processor).__name__)
@@ -132,11 +134,17 @@ def _patch_diffusers(ours: type) -> None:
 
     @functools.wraps(original_set)
     def set_attn_processor(self, processor):
+        # unfuse_qkv_projections() of an old-style model (SD3) puts back the processors it saved at fusing,
+        # which are ours: the stock processors the fuse replaced go back under them, as without us.
+        unfusing = isinstance(processor, dict) and processor is getattr(self, "original_attn_processors", None)
         original_set(self, processor)
         served = False
         for name, module in self.named_modules():
             state = layer_of(module)
             if state is not None and isinstance(getattr(module, "processor", None), ours):
+                if unfusing and state.unfused_stock is not None:
+                    state.processor.bind(module, replaced=state.unfused_stock)
+                    state.unfused_stock = None
                 state.rename(name, module)
                 served = True
         if served:
