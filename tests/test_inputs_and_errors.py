@@ -52,6 +52,12 @@ def test_processor_rejects_wrong_types_with_type_error(kwargs, needle):
         TrtllmAttnProcessor(**kwargs)
 
 
+@pytest.mark.parametrize("value", ["no", 1, None])
+def test_collect_stats_takes_a_bool_only(value):
+    with pytest.raises(TypeError, match=r"collect_stats must be True or False; got"):
+        TrtllmAttnProcessor(collect_stats=value)
+
+
 def test_unknown_keys_suggest_the_closest():
     with pytest.raises(ValueError, match=r"'dtype_q' \(did you mean 'dtype_qk'\?\)"):
         TrtllmAttnProcessor(quant={"dtype_q": "int8"})

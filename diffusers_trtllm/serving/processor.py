@@ -143,7 +143,10 @@ class TrtllmAttnProcessor:
         given = {k for k, v in base.items() if v is not None and v != defaults.get(k)}
         self._explicit = {role: given | set(roles[role] if isinstance(roles.get(role), Mapping) else ()) for role in ROLES}
         self.roles = roles
-        self.collect_stats = bool(collect_stats)
+        if not isinstance(collect_stats, bool):  # bool("no") would turn the counting on
+            raise ControlTypeError(f"collect_stats must be True or False; got {collect_stats!r:.60} "
+                                   f"({type(collect_stats).__name__}).")
+        self.collect_stats = collect_stats
         self._init_runtime()
         #: A normalized t published with ``set_timestep`` (for layers outside any tracked transformer).
         self._t_value: float | None = None
