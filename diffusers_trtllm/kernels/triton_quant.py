@@ -179,43 +179,41 @@ def _sage_quant_kernel(
     tile = tl.program_id(0)
     seq = tl.program_id(1)
     head = tl.program_id(2)
-    dims = tl.arange(0, D)
-    rows = tl.arange(0, BLOCK_T)
     if tile < n_q_tiles:  # a Q tile of this sequence
-        start = tl.load(cu_q_ptr + seq)
-        length = tl.load(cu_q_ptr + seq + 1) - start
-        local = tile * BLOCK_T
-        if local < length:
-            ok = (local + rows) < length
-            tok = (start + local + rows).to(tl.int64)
-            x = tl.load(q_ptr + tok[:, None] * stride_qt + head * stride_qh + dims[None, :], mask=ok[:, None], other=0.0)
-            y, scale = _quantize_tile(x.to(tl.float32), QMAX, Q_BS, BLOCK_T, IS_INT8, NATIVE)
-            tl.store(qo_ptr + tok[:, None] * (H * D) + head * D + dims[None, :], y, mask=ok[:, None])
-            blk = tl.arange(0, BLOCK_T // Q_BS)
-            first = start // Q_BS + seq + local // Q_BS
-            tl.store(q_scale_ptr + head * n_q_blocks + first + blk, scale, mask=(local + blk * Q_BS) < length)
+        _quantize_rows(q_ptr, stride_qt, stride_qh, qo_ptr, H, q_scale_ptr, n_q_blocks, k_mean_ptr, cu_q_ptr, seq, head,
+                       tile * BLOCK_T, D, BLOCK_T, Q_BS, QMAX, IS_INT8, NATIVE, False)
     elif tile < n_q_tiles + n_kv_tiles:  # a K tile of this sequence
         if head < HKV:
-            start = tl.load(cu_kv_ptr + seq)
-            length = tl.load(cu_kv_ptr + seq + 1) - start
-            local = (tile - n_q_tiles) * BLOCK_T
-            if local < length:
-                ok = (local + rows) < length
-                tok = (start + local + rows).to(tl.int64)
-                x = tl.load(k_ptr + tok[:, None] * stride_kt + head * stride_kh + dims[None, :], mask=ok[:, None],
-                            other=0.0)
-                x = x.to(tl.float32)
-                if SMOOTH_K:
-                    x = tl.where(ok[:, None], x - tl.load(k_mean_ptr + head * D + dims)[None, :], 0.0)
-                y, scale = _quantize_tile(x, QMAX, K_BS, BLOCK_T, IS_INT8, NATIVE)
-                tl.store(ko_ptr + tok[:, None] * (HKV * D) + head * D + dims[None, :], y, mask=ok[:, None])
-                blk = tl.arange(0, BLOCK_T // K_BS)
-                first = start // K_BS + seq + local // K_BS
-                tl.store(k_scale_ptr + head * n_k_blocks + first + blk, scale, mask=(local + blk * K_BS) < length)
+            _quantize_rows(k_ptr, stride_kt, stride_kh, ko_ptr, HKV, k_scale_ptr, n_k_blocks, k_mean_ptr, cu_kv_ptr, seq,
+                           head, (tile - n_q_tiles) * BLOCK_T, D, BLOCK_T, K_BS, QMAX, IS_INT8, NATIVE, SMOOTH_K)
     elif seq == 0 and head < HKV:  # V's channels (tile - n_q_tiles - n_kv_tiles) * V_CH ... of this head
         _quantize_v_channels(v_ptr, vt_ptr, v_scale_ptr, cu_kv_ptr, (tile - n_q_tiles - n_kv_tiles) * V_CH, head,
                              tokens_kv, num_seqs, vt_stride, stride_vt, stride_vh, D, NATIVE, MMA_KEY_ORDER, V_CH,
                              V_BLOCK)
+
+
+@triton.jit
+def _quantize_rows(x_ptr, stride_t, stride_h, out_ptr, OUT_HEADS: tl.constexpr, scale_ptr, n_blocks, mean_ptr, cu_ptr, seq,
+                   head, local, D: tl.constexpr, BLOCK_T: tl.constexpr, BS: tl.constexpr, QMAX: tl.constexpr,
+                   IS_INT8: tl.constexpr, NATIVE: tl.constexpr, SMOOTH: tl.constexpr):
+    """Tokens ``local .. local + BLOCK_T - 1`` of one head of sequence ``seq`` of Q or K (K less its mean
+    ``mean_ptr`` with ``SMOOTH``), quantized, and their block scales in slots ``cu[seq] // BS + seq + ...``."""
+    start = tl.load(cu_ptr + seq)
+    length = tl.load(cu_ptr + seq + 1) - start
+    if local < length:
+        dims = tl.arange(0, D)
+        rows = tl.arange(0, BLOCK_T)
+        ok = (local + rows) < length
+        tok = (start + local + rows).to(tl.int64)
+        x = tl.load(x_ptr + tok[:, None] * stride_t + head * stride_h + dims[None, :], mask=ok[:, None], other=0.0)
+        x = x.to(tl.float32)
+        if SMOOTH:
+            x = tl.where(ok[:, None], x - tl.load(mean_ptr + head * D + dims)[None, :], 0.0)
+        y, scale = _quantize_tile(x, QMAX, BS, BLOCK_T, IS_INT8, NATIVE)
+        tl.store(out_ptr + tok[:, None] * (OUT_HEADS * D) + head * D + dims[None, :], y, mask=ok[:, None])
+        blk = tl.arange(0, BLOCK_T // BS)
+        first = start // BS + seq + local // BS
+        tl.store(scale_ptr + head * n_blocks + first + blk, scale, mask=(local + blk * BS) < length)
 
 
 @triton.jit
