@@ -52,11 +52,7 @@ def _release_setters() -> None:
     global _holders
     with _holders_lock:
         _holders -= 1
-        if _holders:
-            return
-        if not intercept.live_layers():
-            intercept.restore_globals()
-        unpatch_diffusers()
+    restore_if_unused(collect=False)
 
 
 def put_processor(module: torch.nn.Module, processor: Any) -> None:
