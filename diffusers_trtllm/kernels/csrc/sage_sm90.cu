@@ -176,11 +176,6 @@ __device__ __forceinline__ uint16_t e4m3x2(float lo, float hi) {
   return q;
 }
 
-// Four floats to four e4m3 bytes, `a` in the lowest byte.
-__device__ __forceinline__ uint32_t pack_e4m3(float a, float b, float c, float d) {
-  return static_cast<uint32_t>(e4m3x2(a, b)) | (static_cast<uint32_t>(e4m3x2(c, d)) << 16);
-}
-
 // e4m3 bytes of 2^lo and 2^hi (lo in the low byte) on the FMA pipe in half precision, two at a time
 // (SAGE_SM90_HALF_POLY): x = n + f with n = round(x) (by adding 1536 = 1.5 * 2^10), 2^f by a quadratic on
 // [-1/2, 1/2], times 2^n made from n's bits. Relative error under 5e-3 for x in [-14, 9] (mean 1.3e-3, no
@@ -396,20 +391,21 @@ struct Smem {
 template <int D, int STAGES>
 constexpr int smem_bytes() { return static_cast<int>(sizeof(Smem<D, STAGES>)) + 1024; }  // + alignment slack
 
-// 16 values of P (accumulator chunks 4kk..4kk+3) as the k32 A fragment of the P.V product.
-__device__ __forceinline__ void pack_p(uint32_t (&a)[4], const float (&x)[16]) {
-  a[0] = pack_e4m3(x[0], x[1], x[4], x[5]);
-  a[1] = pack_e4m3(x[2], x[3], x[6], x[7]);
-  a[2] = pack_e4m3(x[8], x[9], x[12], x[13]);
-  a[3] = pack_e4m3(x[10], x[11], x[14], x[15]);
-}
-
-// The same from e4m3 pairs: q[j] holds values 2j and 2j + 1.
+// 16 values of P (accumulator chunks 4kk..4kk+3) as the k32 A fragment of the P.V product, from their e4m3
+// pairs: q[j] holds values 2j and 2j + 1.
 __device__ __forceinline__ void pack_p_pairs(uint32_t (&a)[4], const uint16_t (&q)[8]) {
   a[0] = q[0] | (static_cast<uint32_t>(q[2]) << 16);
   a[1] = q[1] | (static_cast<uint32_t>(q[3]) << 16);
   a[2] = q[4] | (static_cast<uint32_t>(q[6]) << 16);
   a[3] = q[5] | (static_cast<uint32_t>(q[7]) << 16);
+}
+
+// The same from the 16 values in fp32.
+__device__ __forceinline__ void pack_p(uint32_t (&a)[4], const float (&x)[16]) {
+  uint16_t q[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) q[j] = e4m3x2(x[2 * j], x[2 * j + 1]);
+  pack_p_pairs(a, q);
 }
 
 // Accumulator index of a thread's e-th score of row r (e in [0, 32): chunk e / 2, column e % 2).
