@@ -1,7 +1,7 @@
 """Sweep the ``sage-sm90`` kernel's builds beside cuDNN, SageAttention2 and the triton int8 route (H100/H200).
 
     python3 benchmarks/bench_sage_sm90.py --shapes wan_14b_480p,flux_1024 --out benchmarks/results/sage_sm90_sweep_h200.json
-    DIFFUSERS_TRTLLM_CACHE=.cubin-cache python3 benchmarks/bench_sage_sm90.py --builds default,overlap --build-only
+    DIFFUSERS_TRTLLM_CACHE=.cubin-cache python3 benchmarks/bench_sage_sm90.py --builds default,serial --build-only
         (on any machine with nvcc: the cubins a GPU session then carries instead of compiling)
 
 Whole calls (quantization included), structured inputs (locality 0.5), median CUDA-event time; speed is a
@@ -39,17 +39,14 @@ from diffusers_trtllm.measure import cosine, rel_l1, threshold_for, tile_critica
 #: Compile-time variants of the kernel (``-D`` defines of ``csrc/sage_sm90.cu``), by name.
 BUILDS = {
     "default": (),
+    "serial-fp32-poly": ("SAGE_SM90_OVERLAP=0", "SAGE_SM90_HALF_POLY=0"),  # the default until 2026-12-01 night
+    "serial": ("SAGE_SM90_OVERLAP=0",),
+    "fp32-poly": ("SAGE_SM90_HALF_POLY=0",),
     "nopingpong": ("SAGE_SM90_PINGPONG=0",),
     "2stages": ("SAGE_SM90_STAGES=2",),
     "mufu-only": ("SAGE_SM90_SOFT_EXP=0",),
-    "overlap": ("SAGE_SM90_OVERLAP=1",),
-    "overlap-nopingpong": ("SAGE_SM90_OVERLAP=1", "SAGE_SM90_PINGPONG=0"),
-    "overlap-softexp2": ("SAGE_SM90_OVERLAP=1", "SAGE_SM90_SOFT_EXP=2"),
-    "overlap-softexp6": ("SAGE_SM90_OVERLAP=1", "SAGE_SM90_SOFT_EXP=6"),
-    "half-poly": ("SAGE_SM90_HALF_POLY=1",),
-    "overlap-half-poly": ("SAGE_SM90_OVERLAP=1", "SAGE_SM90_HALF_POLY=1"),
-    "overlap-half-poly-softexp6": ("SAGE_SM90_OVERLAP=1", "SAGE_SM90_HALF_POLY=1", "SAGE_SM90_SOFT_EXP=6"),
-    "overlap-half-poly-softexp8": ("SAGE_SM90_OVERLAP=1", "SAGE_SM90_HALF_POLY=1", "SAGE_SM90_SOFT_EXP=8"),
+    "softexp6": ("SAGE_SM90_SOFT_EXP=6",),
+    "softexp8": ("SAGE_SM90_SOFT_EXP=8",),
 }
 
 

@@ -108,7 +108,7 @@ def sage_sm90_attention(
     """int8 SAGE attention (with skip-softmax when ``skip_factor`` is given) over packed ``[tokens, heads, dim]``.
 
     ``defines`` builds the kernel with other compile-time knobs (``SAGE_SM90_STAGES=3``,
-    ``SAGE_SM90_OVERLAP=1``); ``quantized``, what :func:`sage_sm90_quantize` made of these q, k, v, runs the
+    ``SAGE_SM90_OVERLAP=0``); ``quantized``, what :func:`sage_sm90_quantize` made of these q, k, v, runs the
     kernel alone: both for the benchmark's sweeps."""
     _check_call(q, k, quant)
     st = quantized if quantized is not None else sage_sm90_quantize(q, k, v, layout, quant)

@@ -26,11 +26,11 @@
 // any order works as long as V^T's columns follow it: the quantizer stores V^T with the keys of every
 // aligned group of 16 permuted (position 4t + 2h + e holds key 8h + 2t + e), so no shuffles are needed.
 //
-// Build knobs (-D): SAGE_SM90_STAGES (pipeline depth), SAGE_SM90_PINGPONG, SAGE_SM90_SOFT_EXP; the defaults
-// are the fastest measured (benchmarks/results/sage_sm90_sweep_h200.md). SAGE_SM90_OVERLAP=1 builds FA3's
-// intra-warpgroup overlap instead (Q.K^T of tile n + 1 and P.V of tile n in two commit groups, softmax of
-// tile n + 1 beside the latter), SAGE_SM90_HALF_POLY=1 the FMA-pipe exponentials two at a time in half
-// precision (exp2_e4m3x2); both compile clean but have not run on a GPU yet, so they are off by default.
+// Build knobs (-D): SAGE_SM90_STAGES (pipeline depth), SAGE_SM90_PINGPONG, SAGE_SM90_SOFT_EXP,
+// SAGE_SM90_OVERLAP (FA3's intra-warpgroup overlap: Q.K^T of tile n + 1 and P.V of tile n in two commit
+// groups, softmax of tile n + 1 beside the latter; 0: both in one group, waited for together) and
+// SAGE_SM90_HALF_POLY (the FMA-pipe exponentials two at a time in half precision, exp2_e4m3x2; 0: one at a
+// time in fp32). The defaults are the fastest measured (benchmarks/results/sage_sm90_sweep_h200.md).
 
 #include <stdint.h>
 #include <cuda_bf16.h>
@@ -46,10 +46,10 @@
 #define SAGE_SM90_PINGPONG 1
 #endif
 #ifndef SAGE_SM90_HALF_POLY  // the FMA-pipe exponentials two at a time in half precision (exp2_e4m3x2)
-#define SAGE_SM90_HALF_POLY 0
+#define SAGE_SM90_HALF_POLY 1
 #endif
 #ifndef SAGE_SM90_OVERLAP  // FA3's intra-warpgroup overlap (softmax of tile n beside P.V of tile n - 1)
-#define SAGE_SM90_OVERLAP 0
+#define SAGE_SM90_OVERLAP 1
 #endif
 
 namespace sage_sm90 {
@@ -612,6 +612,10 @@ __device__ __forceinline__ void consume(Smem<D, STAGES>& sm, const Params& p, in
 
   if constexpr (OVERLAP) {
     uint32_t pv[4][4];      // P of the tile whose P.V product is in flight
+    // ptxas takes P.V's P registers as free once the product is issued and reuses them in the next softmax
+    // while the product still reads them (wrong results, measured). Reading the old pv after the wait, in
+    // a copy masked by a zero it cannot prove (kv_len >= 0), keeps them alive until then: 16 LOP3 a tile.
+    const uint32_t zero = static_cast<uint32_t>(kv_len >> 31);
     bool sums_due = false;  // the P.V group in flight is a kept tile's: add its row sums to l
     // Per tile n (FA3's intra-warpgroup overlap): softmax of tile n runs while the tensor cores finish P.V of
     // tile n - 1; then Q.K^T of tile n + 1 and P.V of tile n are issued, in that order and as two commit
@@ -643,7 +647,7 @@ __device__ __forceinline__ void consume(Smem<D, STAGES>& sm, const Params& p, in
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
 #pragma unroll
-          for (int j = 0; j < 4; ++j) pv[kk][j] = pa[kk][j];
+          for (int j = 0; j < 4; ++j) pv[kk][j] = (pv[kk][j] & zero) | pa[kk][j];  // reads the old pv: see zero
         }
       } else {
         ++skipped;

@@ -1,0 +1,84 @@
+"""Register hazards of asynchronous wgmma in a cubin's SASS (a test helper; needs ``cuobjdump``).
+
+ptxas may reuse the registers of an fp8 product (QGMMA: its A fragment and its accumulator) for other
+values while the product still runs, which gives wrong results without any warning (it did so for the
+``sage-sm90`` overlap build). This walks every path from the end of each QGMMA commit group (the one
+marked ``gsb0``) to the next full wait (``WARPGROUP.DEPBAR.LE gsb0, 0x0``) and lists the non-wgmma
+instructions on it that write one of the group's registers.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+_INSTRUCTION = re.compile(r"\s+/\*([0-9a-f]+)\*/\s*(.*?)\s*;")
+_QGMMA = re.compile(r"QGMMA\.64x(\d+)x32\S* R(\d+), R(\d+),")
+_WRITE = re.compile(r"(?:@!?U?P\w+ )?([A-Z][\w.]*) R(\d+)[, ]")
+_BRANCH = re.compile(r"(@!?U?P\w+ )?BRA(?:\.\w+)* (?:\S+, )?0x([0-9a-f]+)")
+_NOT_A_WRITE = ("QGMMA", "IGMMA", "HGMMA", "ST", "BAR", "SYNCS", "WARPGROUP")
+
+
+def find_cuobjdump() -> str | None:
+    """cuobjdump on PATH, else the copy Triton ships."""
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    try:
+        import triton
+    except ImportError:
+        return None
+    bundled = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    return str(bundled) if bundled.exists() else None
+
+
+def kernel_sass(cuobjdump: str, cubin: Path, kernel: str) -> list[tuple[int, str]]:
+    """(address, instruction) of one kernel, in listing order."""
+    text = subprocess.run([cuobjdump, "-sass", "-fun", kernel, str(cubin)], capture_output=True, text=True,
+                          check=True).stdout
+    return [(int(m.group(1), 16), m.group(2)) for line in text.splitlines() if (m := _INSTRUCTION.match(line))]
+
+
+def _group_registers(code: list[tuple[int, str]], end: int, reach: int = 64) -> set[int]:
+    """Registers of the QGMMA products committed at ``end`` (A fragments and accumulators): those issued
+    since the previous commit, looking back at most ``reach`` instructions."""
+    regs: set[int] = set()
+    for i in range(end, max(end - reach, -1), -1):
+        instruction = code[i][1]
+        if i != end and "gsb0" in instruction:
+            break
+        if m := _QGMMA.match(instruction):
+            n, d, a = (int(x) for x in m.groups())
+            regs.update(range(a, a + 4), range(d, d + n // 2))
+    return regs
+
+
+def in_flight_writes(code: list[tuple[int, str]]) -> list[str]:
+    """Each instruction that writes a register of a QGMMA group between its commit and the next full wait."""
+    index = {address: i for i, (address, _) in enumerate(code)}
+    hazards = []
+    for end, (_, instruction) in enumerate(code):
+        if not (_QGMMA.match(instruction) and "gsb0" in instruction):
+            continue
+        regs, seen, todo = _group_registers(code, end), set(), [end + 1]
+        while todo:
+            i = todo.pop()
+            while i < len(code) and i not in seen:
+                seen.add(i)
+                address, ins = code[i]
+                if "DEPBAR.LE gsb0, 0x0" in ins or ins.startswith("EXIT"):
+                    break
+                w = _WRITE.match(ins)
+                if w and not w.group(1).startswith(_NOT_A_WRITE) and int(w.group(2)) in regs:
+                    hazards.append(f"{address:#x} {ins}")
+                if b := _BRANCH.match(ins):
+                    target = index[int(b.group(2), 16)]
+                    if b.group(1):  # conditional: both ways
+                        todo.append(target)
+                    else:
+                        i = target
+                        continue
+                i += 1
+    return hazards
