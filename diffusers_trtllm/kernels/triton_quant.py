@@ -46,6 +46,8 @@ __all__ = ["TritonSage", "sage_quantize_triton", "mma_key_column", "fp8_native",
 QUANT_BLOCK_T = 64
 #: V's channels per program, and the tokens it reads at a time (a 32-byte row of bf16 per token).
 V_CHANNELS, V_BLOCK_T = 16, 128
+#: Warps per program.
+QUANT_WARPS = 4
 _AMAX_FLOOR, _FP8_MAX = tl.constexpr(AMAX_FLOOR), tl.constexpr(FP8_MAX)
 
 
@@ -297,6 +299,6 @@ def sage_quantize_triton(
         H=heads, HKV=kv_heads, D=dim, BLOCK_T=QUANT_BLOCK_T,
         Q_BS=quant.q_block_size, K_BS=quant.k_block_size, QMAX=quant.qk_max,
         IS_INT8=qk_dtype == torch.int8, SMOOTH_K=quant.smooth_k, NATIVE=native, MMA_KEY_ORDER=mma_key_order,
-        V_CH=V_CHANNELS, V_BLOCK=V_BLOCK_T, num_warps=4,
+        V_CH=V_CHANNELS, V_BLOCK=V_BLOCK_T, num_warps=QUANT_WARPS,
     )
     return out
