@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
-import os
 
 import torch
 from tqdm import tqdm
 
+from bench_sage_sm90 import environment, write_result
 from diffusers_trtllm.bench.inputs import parse_shapes, structured_qkv
 from diffusers_trtllm.bench.timing import time_fn
 from diffusers_trtllm.config import QuantConfig
@@ -61,7 +60,8 @@ def run_shape(shape, grid: list[tuple[int, ...]], iters: int) -> list[dict]:
 
 
 def markdown(result: dict) -> str:
-    lines = [f"GPU {result['gpu']}; `{result['command']}`", "",
+    env = result["environment"]
+    lines = [f"GPU {env['gpu']}, torch {env['torch']}, Triton {env['triton']}; `{result['command']}`", "",
              "| shape | " + " | ".join(SETTINGS) + " | ms | copy ms | same as default |",
              "|---|" + "---:|" * len(SETTINGS) + "---:|---:|---|"]
     for r in result["rows"]:
@@ -88,15 +88,7 @@ def main() -> None:
     grid = list(itertools.product(*axes))
     rows = [row for shape in parse_shapes(args.shapes) for row in run_shape(shape, grid, args.iters)]
     if args.out:
-        import sys
-
-        result = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                      command=" ".join(["python3", "benchmarks/bench_quantizer.py", *sys.argv[1:]]), rows=rows)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-        with open(os.path.splitext(args.out)[0] + ".md", "w") as f:
-            f.write(markdown(result))
-
+        write_result(args.out, "bench_quantizer.py", environment(), rows, markdown)
 
 if __name__ == "__main__":
     main()

@@ -184,16 +184,23 @@ def main() -> None:
         rows += run_shape(shape, builds, targets, args.iters, args.locality)
         torch.cuda.empty_cache()
     if args.out:
-        env = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, python=platform.python_version(),
-                   cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version(), triton=triton.__version__,
-                   sageattention=_version("sageattention"), locality=args.locality)
-        result = dict(environment=env, command=" ".join(["python3", "benchmarks/bench_sage_sm90.py", *sys.argv[1:]]),
-                      rows=rows)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-        with open(os.path.splitext(args.out)[0] + ".md", "w") as f:
-            f.write(markdown(result))
+        write_result(args.out, "bench_sage_sm90.py", environment(locality=args.locality), rows, markdown)
 
+
+def environment(**extra) -> dict:
+    """GPU and versions, for a results file."""
+    return dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, python=platform.python_version(),
+                cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version(), triton=triton.__version__,
+                sageattention=_version("sageattention"), **extra)
+
+
+def write_result(out: str, script: str, env: dict, rows: list[dict], to_markdown) -> None:
+    """``out`` (JSON: environment, command, rows) and its Markdown table beside it."""
+    result = dict(environment=env, command=" ".join(["python3", f"benchmarks/{script}", *sys.argv[1:]]), rows=rows)
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+    with open(os.path.splitext(out)[0] + ".md", "w") as f:
+        f.write(to_markdown(result))
 
 if __name__ == "__main__":
     main()
