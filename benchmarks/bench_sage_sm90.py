@@ -19,6 +19,7 @@ import os
 import platform
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.nn.functional as F
@@ -172,14 +173,17 @@ def main() -> None:
     p.add_argument("--build-only", action="store_true",
                    help="compile the builds' cubins into the cache ($DIFFUSERS_TRTLLM_CACHE) and stop: no GPU needed, "
                         "so a GPU session can carry them instead of compiling")
+    p.add_argument("--jobs", type=int, default=os.cpu_count(), help="builds at once with --build-only")
     args = p.parse_args()
     unknown = [b for b in args.builds.split(",") if b and b not in BUILDS]
     if unknown:
         p.error(f"unknown builds {unknown}; known: {', '.join(BUILDS)}")
     builds = {b: BUILDS[b] for b in args.builds.split(",") if b}
-    if args.build_only:
-        for name, defines in tqdm(builds.items(), desc="nvcc", unit="build"):
-            print(name, sage_sm90_cubin(defines), flush=True)
+    if args.build_only:  # nvcc is single-threaded: one build per core
+        with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+            cubins = pool.map(sage_sm90_cubin, builds.values())
+            for name, cubin in tqdm(zip(builds, cubins), total=len(builds), desc="nvcc", unit="build"):
+                print(name, cubin, flush=True)
         return
     targets = [float(x) for x in args.target_skips.split(",") if x]
     rows = []

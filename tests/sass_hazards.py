@@ -21,6 +21,13 @@ _BRANCH = re.compile(r"(@!?U?P\w+ )?BRA(?:\.\w+)* (?:\S+, )?0x([0-9a-f]+)")
 _NOT_A_WRITE = ("QGMMA", "IGMMA", "HGMMA", "ST", "BAR", "SYNCS", "WARPGROUP")
 
 
+def _width(opcode: str) -> int:
+    """Registers an instruction writes from its first destination (``LDS.128``: four, ``IMAD.WIDE``: two)."""
+    if ".128" in opcode:
+        return 4
+    return 2 if ".64" in opcode or ".WIDE" in opcode else 1
+
+
 def find_cuobjdump() -> str | None:
     """cuobjdump on PATH, else the copy Triton ships."""
     found = shutil.which("cuobjdump")
@@ -68,11 +75,13 @@ def in_flight_writes(code: list[tuple[int, str]]) -> list[str]:
             while i < len(code) and i not in seen:
                 seen.add(i)
                 address, ins = code[i]
-                if "DEPBAR.LE gsb0, 0x0" in ins or ins.startswith("EXIT"):
+                if "DEPBAR.LE gsb0, 0x0" in ins or ins.startswith(("EXIT", "RET")):
                     break
                 w = _WRITE.match(ins)
-                if w and not w.group(1).startswith(_NOT_A_WRITE) and int(w.group(2)) in regs:
-                    hazards.append(f"{address:#x} {ins}")
+                if w and not w.group(1).startswith(_NOT_A_WRITE):
+                    first = int(w.group(2))
+                    if regs.intersection(range(first, first + _width(w.group(1)))):
+                        hazards.append(f"{address:#x} {ins}")
                 if b := _BRANCH.match(ins):
                     target = index[int(b.group(2), 16)]
                     if b.group(1):  # conditional: both ways
