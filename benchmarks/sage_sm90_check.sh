@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call (under 10 minutes) for the sage-sm90 kernel on an H100/H200: its cubins built on the
 # device (one build per core), its GPU tests, the build sweep on structured and diffuse inputs, and the
-# quantizer's launch settings. Results under $OUT. Usage (carry .whl): bash benchmarks/sage_sm90_check.sh
+# quantizer's launch settings and an ncu profile. Results under $OUT. Usage (carry .whl): bash benchmarks/sage_sm90_check.sh
 set -uo pipefail
 source .whl/setup.sh
 export PYTHONUNBUFFERED=1 DIFFUSERS_TRTLLM_CACHE="${DIFFUSERS_TRTLLM_CACHE:-$(pwd)/.cubin-cache}"
@@ -16,3 +16,8 @@ timeout 150 python3 benchmarks/bench_sage_sm90.py --shapes wan_14b_480p,wan_14b_
 timeout 120 python3 benchmarks/bench_sage_sm90.py --shapes wan_14b_480p,wan_14b_720p,flux_1024 --builds "$builds" \
   --iters 10 --out "$out/sage_sm90_sweep.json" | grep -v "skip0"
 timeout 90 python3 benchmarks/bench_quantizer.py --v-channels 8,16,32 --out "$out/quantizer.json" 2>&1 | grep -v "setting/s"
+# what bounds the default build: one call under Nsight Compute (speed of light, pipes, stalls, instruction mix)
+timeout 100 ncu --clock-control none -k regex:sage_sm90_d --launch-skip 1 -c 1 --section SpeedOfLight \
+  --section ComputeWorkloadAnalysis --section WarpStateStats --section InstructionStats --section SchedulerStats \
+  python3 benchmarks/profile_sage_sm90.py --shape wan_1.3b_480p > "$out/ncu_sage_sm90_default.txt" 2>&1
+tail -40 "$out/ncu_sage_sm90_default.txt"
