@@ -207,7 +207,7 @@ def run_attention(
         return_lse=return_lse,
         kv_shards=kv_shards,
     )
-    decision = apply_policy(call, policy, honour, skip.target_sparsity if skip is not None else None)
+    decision = apply_policy(call, policy, honour, skip.target_sparsity if skip is not None else None, backend)
     call = decision.call
     try:
         route = select_route(call, backend)

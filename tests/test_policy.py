@@ -10,7 +10,7 @@ from diffusers_trtllm import SkipSoftmaxConfig, TrtllmAttnProcessor, run_attenti
 from diffusers_trtllm.routing import policy as policy_mod
 from diffusers_trtllm.config import QuantConfig
 from diffusers_trtllm.layout import PackedLayout
-from diffusers_trtllm.routing.registry import AttentionCall
+from diffusers_trtllm.routing.registry import AttentionCall, get_route
 
 INT8 = QuantConfig(dtype_qk="int8")
 
@@ -44,13 +44,33 @@ def test_sage_needs_a_long_kv_on_sm90_only(on_gpu):
     assert image.call.skip_factor == 1.0 and image.call.quant is None and "4608 keys < 16384" in image.note
     video = policy_mod.apply_policy(_call(32760, quant=fp8))
     assert video.call.skip_factor == 1.0 and video.call.quant == fp8 and video.note is None
-    # int8 SAGE runs on the Triton kernel, slower than fa3 dense at 480p: it pays from 65,536 keys
+    # int8 SAGE where sage-sm90 cannot serve (here: no Hopper) runs on the Triton kernel, slower than fa3
+    # dense at 480p: it pays from 65,536 keys
     wan480 = policy_mod.apply_policy(_call(32760))
     assert wan480.call.quant is None and "int8 SAGE (triton) is slower than fa3 dense" in wan480.note
     assert policy_mod.apply_policy(_call(75600)).call.quant == INT8
     on_gpu(100)  # not measured on Blackwell: SAGE stays; the short-KV skip rule holds everywhere
     blackwell = policy_mod.apply_policy(_call(512))
     assert blackwell.call.quant == INT8 and blackwell.call.skip_factor is None
+
+
+def test_int8_sage_pays_from_wan_480p_on_the_cuda_kernel(on_gpu, monkeypatch):
+    """Where sage-sm90 serves int8 SAGE it runs from 32,760 keys (Wan 480p: 1.28x cuDNN against fa3 dense's
+    1.11-1.16x on the H200), not from the Triton kernel's 65,536."""
+    monkeypatch.setattr(policy_mod, "_int8_kernel", lambda call, backend: "sage-sm90")
+    wan480 = policy_mod.apply_policy(_call(32760))
+    assert wan480.call.quant == INT8 and wan480.note is None
+    shorter = policy_mod.apply_policy(_call(20000), honour=("skip",))
+    assert shorter.call.quant is None and "20000 keys < 32760" in shorter.note and "(sage-sm90)" in shorter.note
+
+
+def test_int8_kernel_is_the_one_the_backend_would_run(monkeypatch):
+    route = type(get_route("sage-sm90"))
+    monkeypatch.setattr(route, "not_supported_reasons", lambda self, call: [])
+    assert [policy_mod._int8_kernel(_call(32760), b) for b in ("auto", "sage-sm90", "triton")] == \
+        ["sage-sm90", "sage-sm90", "triton"]
+    monkeypatch.setattr(route, "not_supported_reasons", lambda self, call: ["needs nvcc"])
+    assert policy_mod._int8_kernel(_call(32760), "auto") == "triton"
 
 
 def test_ring_shards_divide_the_promised_sparsity_on_sm90(on_gpu):

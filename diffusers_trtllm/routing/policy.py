@@ -22,9 +22,9 @@ from dataclasses import dataclass, replace
 
 from ..config import POLICIES
 from .order import LONG_KV, TEXT_KV
-from .registry import AttentionCall, device_sm
+from .registry import AttentionCall, device_sm, get_route
 
-__all__ = ["POLICIES", "FEATURES", "SHORT_KV", "SAGE_MIN_KV_SM90", "SAGE_INT8_MIN_KV_SM90", "SKIP_ALONE_MIN_SPARSITY_SM90", "SKIP_ALONE_MIN_KV_SM90",
+__all__ = ["POLICIES", "FEATURES", "SHORT_KV", "SAGE_MIN_KV_SM90", "SAGE_INT8_MIN_KV_SM90", "SAGE_INT8_TRITON_MIN_KV_SM90", "SKIP_ALONE_MIN_SPARSITY_SM90", "SKIP_ALONE_MIN_KV_SM90",
            "PolicyDecision", "apply_policy"]
 
 
@@ -39,11 +39,19 @@ SHORT_KV = TEXT_KV
 #: Flux (4,608 keys) fmha-v2-fp8 0.56x and triton int8 0.58x, against fa3 dense 1.03x.
 SAGE_MIN_KV_SM90 = 16384
 
-#: int8 SAGE runs on the project's Triton kernel on SM90, which is slower than fa3 dense at Wan 480p:
-#: 1.09x cuDNN against fa3's 1.12x (32,760 keys), and 1.02x against 1.055x for a whole Wan-14B forward
-#: (benchmarks/results/e2e_h200_before_policy.md). At 720p (75,600 keys) it ran 1.23x against fa3's 1.11x
-#: (benchmarks/results/triton_h200.md, before the kernel's overflow fixes cost ~6%).
-SAGE_INT8_MIN_KV_SM90 = 65536
+#: On SM90, int8 SAGE pays from this KV length on the project's CUDA kernel (``sage-sm90``, which ``auto``
+#: ranks first for int8 on long keys): whole calls on the H200 (benchmarks/results/sage_sm90_sweep_h200.md)
+#: 1.280x cuDNN at Wan-14B 480p (32,760 keys) and 1.368x at 720p, against fa3 dense's 1.11-1.16x on those
+#: shapes (benchmarks/results/bench_h200.md); 0.62x at Flux (4,608 keys) against fa3's 0.95-1.18x. No length
+#: between was measured, so it runs from the shortest one where it measured faster.
+SAGE_INT8_MIN_KV_SM90 = 32760
+
+#: Where sage-sm90 cannot serve the call (no nvcc, a backend that names another route), int8 SAGE runs on
+#: the Triton kernel, slower than fa3 dense at Wan 480p: 1.09x cuDNN against fa3's 1.12x (32,760 keys),
+#: and 1.02x against 1.055x for a whole Wan-14B forward (benchmarks/results/e2e_h200_before_policy.md). At
+#: 720p (75,600 keys) it ran 1.23x against fa3's 1.11x (benchmarks/results/triton_h200.md, before the
+#: kernel's overflow fixes cost ~6%).
+SAGE_INT8_TRITON_MIN_KV_SM90 = 65536
 
 
 #: On SM90, skip-softmax without SAGE moves the call from fa3 to a skip kernel in bf16 (the gluon kernel,
@@ -96,13 +104,30 @@ def _measured_device(device) -> bool:
 FEATURES = ("skip", "sage")
 
 
+#: The SAGE rule on SM90: the KV length SAGE pays from, and why it does not below; int8 by its kernel.
+_FP8_RULE = (SAGE_MIN_KV_SM90, "quantizing costs more than it saves")
+_INT8_RULES = {
+    "sage-sm90": (SAGE_INT8_MIN_KV_SM90, "the shortest length where int8 SAGE (sage-sm90) measured faster than fa3 dense"),
+    "triton": (SAGE_INT8_TRITON_MIN_KV_SM90, "int8 SAGE (triton) is slower than fa3 dense"),
+}
+
+
+def _int8_kernel(call: AttentionCall, backend: str) -> str:
+    """The kernel int8 SAGE would run on for ``call`` on SM90: ``"sage-sm90"`` where it can serve it (and
+    ``backend`` allows it), else ``"triton"``."""
+    if backend in ("auto", "sage-sm90") and not get_route("sage-sm90").not_supported_reasons(call):
+        return "sage-sm90"
+    return "triton"
+
+
 def apply_policy(call: AttentionCall, policy: str = "auto", honour: Collection[str] = (),
-                 target_sparsity: float | None = None) -> PolicyDecision:
+                 target_sparsity: float | None = None, backend: str = "auto") -> PolicyDecision:
     """Drop the parts of ``call``'s request that cannot pay off on it (``policy="auto"``).
 
     ``honour`` names features (``"skip"``, ``"sage"``) kept whatever the rules say: what the
     user set explicitly for this call's role. ``target_sparsity`` is the calibrated skipped
-    fraction the request asks for (None: a bare threshold, fraction unknown).
+    fraction the request asks for (None: a bare threshold, fraction unknown); ``backend`` the one
+    the call will be run with (the int8 SAGE rule depends on the kernel).
     """
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}; got {policy!r}.")
@@ -118,10 +143,8 @@ def apply_policy(call: AttentionCall, policy: str = "auto", honour: Collection[s
         dropped.append(f"skip-softmax off: {kv} keys <= {SHORT_KV}, too few tiles to skip")
         call = replace(call, skip_factor=None)
     if call.quant is not None and "sage" not in honour and hopper:
-        int8 = call.quant.dtype_qk == "int8"
-        least = SAGE_INT8_MIN_KV_SM90 if int8 else SAGE_MIN_KV_SM90
+        least, why = _INT8_RULES[_int8_kernel(call, backend)] if call.quant.dtype_qk == "int8" else _FP8_RULE
         if kv < least:
-            why = "int8 SAGE (triton) is slower than fa3 dense" if int8 else "quantizing costs more than it saves"
             dropped.append(f"SAGE off: {kv} keys < {least}, {why} on SM90")
             call = replace(call, quant=None)
     skip_alone = call.skip_factor is not None and call.quant is None and "skip" not in honour and hopper
