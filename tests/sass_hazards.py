@@ -14,6 +14,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+_FUNCTION = re.compile(r"\s+Function : (\w+)")
 _INSTRUCTION = re.compile(r"\s+/\*([0-9a-f]+)\*/\s*(.*?)\s*;")
 _QGMMA = re.compile(r"QGMMA\.64x(\d+)x32\S* R(\d+), R(\d+),")
 _WRITE = re.compile(r"(?:@!?U?P\w+ )?([A-Z][\w.]*) R(\d+)[, ]")
@@ -41,11 +42,17 @@ def find_cuobjdump() -> str | None:
     return str(bundled) if bundled.exists() else None
 
 
-def kernel_sass(cuobjdump: str, cubin: Path, kernel: str) -> list[tuple[int, str]]:
-    """(address, instruction) of one kernel, in listing order."""
-    text = subprocess.run([cuobjdump, "-sass", "-fun", kernel, str(cubin)], capture_output=True, text=True,
-                          check=True).stdout
-    return [(int(m.group(1), 16), m.group(2)) for line in text.splitlines() if (m := _INSTRUCTION.match(line))]
+def cubin_sass(cuobjdump: str, cubin: Path) -> dict[str, list[tuple[int, str]]]:
+    """Each kernel's (address, instruction) list, in listing order (one ``cuobjdump`` for the whole cubin)."""
+    text = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    kernels: dict[str, list[tuple[int, str]]] = {}
+    code: list[tuple[int, str]] = []
+    for line in text.splitlines():
+        if (name := _FUNCTION.match(line)) is not None:
+            code = kernels.setdefault(name.group(1), [])
+        elif m := _INSTRUCTION.match(line):
+            code.append((int(m.group(1), 16), m.group(2)))
+    return kernels
 
 
 def _group_registers(code: list[tuple[int, str]], end: int, reach: int = 64) -> set[int]:
