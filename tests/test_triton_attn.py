@@ -312,7 +312,7 @@ def test_rejects_unsupported_head_dim():
                                                                 (80, "int8", False, False)])
 def test_quantizer_compiles_for_the_gpu(sm, dtype_qk, mma_key_order, smooth_k):
     """The one-launch quantizer through Triton's whole GPU pipeline (to PTX and cubin) without a GPU: the
-    interpreter above checks its values, not that its layouts (the V programs' [16 x 128] fp8 transpose
+    interpreter above checks its values, not that its layouts (the V programs' [V_CHANNELS x V_BLOCK_T] fp8 transpose
     and masked stores) lower for a real target. SM80 has no fp8: V is kept in fp16 there."""
     pytest.importorskip("triton")
     import triton
@@ -337,7 +337,7 @@ def test_quantizer_compiles_for_the_gpu(sm, dtype_qk, mma_key_order, smooth_k):
     signature.update({name: "constexpr" for name in constexprs})
     try:
         compiled = triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", sm, 32),
-                                  options=dict(num_warps=4))
+                                  options=dict(num_warps=triton_quant.QUANT_WARPS))
     except Exception as exc:  # a Triton without the CUDA backend, not a kernel bug
         if "backend" in str(exc).lower() and "cuda" in str(exc).lower():
             pytest.skip(f"this Triton cannot compile for CUDA: {exc}")

@@ -3,11 +3,14 @@
 Produces docs/design.md's layout (the one ``reference.sage_quantize`` defines): Q/K int8
 or fp8 e4m3 with one scale per (head, block of consecutive tokens of one
 sequence), V fp8 e4m3 with one scale per (head, channel). One kernel launch does it
-all (with ``smooth_k``, a torch mean of K over all tokens runs first): programs for
-the Q tiles and the K tiles of every sequence, and one program per (KV head, block of
-``V_CHANNELS`` channels) that reads its channels over every token twice, once for the
-channels' amax (their scales) and once to quantize, so no reduction has to finish
-before the launch.
+all (with ``smooth_k``, a torch mean of K over all tokens runs first), on a 1D grid:
+first one program per (KV head, block of ``V_CHANNELS`` channels) that reads its
+channels over every token twice, once for the channels' amax (their scales) and once
+to quantize, so no reduction has to finish before the launch; then programs for the
+Q tiles and the K tiles of every sequence (tile fastest, then sequence, then head).
+The V programs are the launch's longest work, so they come first in program-id order:
+they start at once and the short Q/K tiles fill the GPU beside them, instead of the
+last head's V programs running as a serial tail.
 
 V is written transposed, ``[kv_heads * dim, padded tokens]``, because Hopper's
 fp8 tensor-core product needs the reduction dimension (tokens, in P·V)
@@ -44,10 +47,12 @@ __all__ = ["TritonSage", "sage_quantize_triton", "mma_key_column", "fp8_native",
 
 #: Tokens per program of the quantization kernel (a multiple of every block size).
 QUANT_BLOCK_T = 64
-#: V's channels per program, and the tokens it reads at a time (a 32-byte row of bf16 per token).
-V_CHANNELS, V_BLOCK_T = 16, 128
+#: V's channels per program, and the tokens it reads at a time; with the warps per program, the fastest
+#: setting measured on the H200 (benchmarks/results/quantizer_h200_v_first.md: 1.56 / 3.54 / 0.21 ms on
+#: wan_14b_480p / wan_14b_720p / flux_1024, against 2.30 / 5.38 / 0.39 ms at 16 channels and 4 warps).
+V_CHANNELS, V_BLOCK_T = 8, 128
 #: Warps per program.
-QUANT_WARPS = 4
+QUANT_WARPS = 8
 _AMAX_FLOOR, _FP8_MAX = tl.constexpr(AMAX_FLOOR), tl.constexpr(FP8_MAX)
 
 
@@ -178,20 +183,26 @@ def _sage_quant_kernel(
     SMOOTH_K: tl.constexpr, NATIVE: tl.constexpr, MMA_KEY_ORDER: tl.constexpr,
     V_CH: tl.constexpr, V_BLOCK: tl.constexpr,
 ):
-    tile = tl.program_id(0)
-    seq = tl.program_id(1)
-    head = tl.program_id(2)
-    if tile < n_q_tiles:  # a Q tile of this sequence
-        _quantize_rows(q_ptr, stride_qt, stride_qh, qo_ptr, H, q_scale_ptr, n_q_blocks, k_mean_ptr, cu_q_ptr, seq, head,
-                       tile * BLOCK_T, D, BLOCK_T, Q_BS, QMAX, IS_INT8, NATIVE, False)
-    elif tile < n_q_tiles + n_kv_tiles:  # a K tile of this sequence
-        if head < HKV:
-            _quantize_rows(k_ptr, stride_kt, stride_kh, ko_ptr, HKV, k_scale_ptr, n_k_blocks, k_mean_ptr, cu_kv_ptr, seq,
-                           head, (tile - n_q_tiles) * BLOCK_T, D, BLOCK_T, K_BS, QMAX, IS_INT8, NATIVE, SMOOTH_K)
-    elif seq == 0 and head < HKV:  # V's channels (tile - n_q_tiles - n_kv_tiles) * V_CH ... of this head
-        _quantize_v_channels(v_ptr, vt_ptr, v_scale_ptr, cu_kv_ptr, (tile - n_q_tiles - n_kv_tiles) * V_CH, head,
+    # 1D grid, V programs first: they are the launch's longest work (each reads all tokens twice), so they start
+    # at once and the short Q/K tiles fill the GPU beside them (``sage_quantize_triton`` sizes the grid).
+    pid = tl.program_id(0)
+    n_v = D // V_CH  # V programs per KV head
+    if pid < HKV * n_v:  # V's channels (pid % n_v) * V_CH ... of KV head pid // n_v
+        _quantize_v_channels(v_ptr, vt_ptr, v_scale_ptr, cu_kv_ptr, (pid % n_v) * V_CH, pid // n_v,
                              tokens_kv, num_seqs, vt_stride, stride_vt, stride_vh, D, NATIVE, MMA_KEY_ORDER, V_CH,
                              V_BLOCK)
+    else:  # a Q or K tile: tile fastest, then sequence, then head
+        r = pid - HKV * n_v
+        tile = r % (n_q_tiles + n_kv_tiles)
+        r = r // (n_q_tiles + n_kv_tiles)
+        seq = r % num_seqs
+        head = r // num_seqs
+        if tile < n_q_tiles:  # a Q tile of this sequence
+            _quantize_rows(q_ptr, stride_qt, stride_qh, qo_ptr, H, q_scale_ptr, n_q_blocks, k_mean_ptr, cu_q_ptr, seq,
+                           head, tile * BLOCK_T, D, BLOCK_T, Q_BS, QMAX, IS_INT8, NATIVE, False)
+        elif head < HKV:  # a K tile of this sequence
+            _quantize_rows(k_ptr, stride_kt, stride_kh, ko_ptr, HKV, k_scale_ptr, n_k_blocks, k_mean_ptr, cu_kv_ptr, seq,
+                           head, (tile - n_q_tiles) * BLOCK_T, D, BLOCK_T, K_BS, QMAX, IS_INT8, NATIVE, SMOOTH_K)
 
 
 @triton.jit
@@ -289,7 +300,9 @@ def sage_quantize_triton(
     )
     n_q_tiles = triton.cdiv(layout.max_seqlen_q, QUANT_BLOCK_T)
     n_kv_tiles = triton.cdiv(layout.max_seqlen_kv, QUANT_BLOCK_T)
-    grid = (n_q_tiles + n_kv_tiles + dim // V_CHANNELS, layout.num_seqs, heads)
+    # The kernel decodes this order: kv_heads * (dim // V_CHANNELS) V programs, then the Q/K tiles of every
+    # (sequence, head).
+    grid = (kv_heads * (dim // V_CHANNELS) + (n_q_tiles + n_kv_tiles) * layout.num_seqs * heads,)
     _sage_quant_kernel[grid](
         q, k, v, out.q, out.k, out.vt,
         out.q_scale, out.k_scale, v_scale, k_mean,
