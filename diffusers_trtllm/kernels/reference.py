@@ -101,7 +101,10 @@ def sage_quantize(
     k_ids, nk = block_ids(cu_seqlens_kv, kv_lens, quant.k_block_size)
     q_q, q_scale = _quantize_blocks(q, q_ids, nq, quant.qk_max, quant.qk_dtype)
     k_q, k_scale = _quantize_blocks(k, k_ids, nk, quant.qk_max, quant.qk_dtype)
-    v_scale = v.float().abs().amax(dim=0).clamp_min(AMAX_FLOOR) / FP8_MAX  # [heads, dim]
+    v_amax = v.float().abs().amax(dim=0).clamp_min(AMAX_FLOOR)  # [heads, dim]
+    # An IEEE quotient, as the kernels compute it: on CUDA torch divides by a Python scalar as a multiply by
+    # its reciprocal, which lands one ulp off on about half the channels.
+    v_scale = v_amax / torch.full_like(v_amax, FP8_MAX)
     v_q = (v.float() / v_scale[None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return SageTensors(q_q, k_q, v_q, q_scale, k_scale, v_scale, q_ids, k_ids)
 
