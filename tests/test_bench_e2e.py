@@ -111,6 +111,7 @@ def test_settings_build_processor_arguments():
         "disabled_until_timestep": 0.0,
     }
     assert SETTINGS["dense"].processor_kwargs(0.02, "fa3") == {"backend": "fa3", "policy": "auto"}
+    assert SETTINGS["sage-int8-smooth"].processor_kwargs(0.02, "auto")["quant"] == {"dtype_qk": "int8", "smooth_k": True}
     assert SETTINGS["skip-always"].processor_kwargs(0.02, "auto")["policy"] == "always"
 
 

@@ -59,6 +59,8 @@ class ProcessorSetting:
 
     name: str
     quant: str | None = None
+    #: SAGE's ``smooth_k`` (K's per-channel mean subtracted before quantizing, as SageAttention2 does).
+    smooth_k: bool = False
     skip: bool = False
     stock: bool = False
     #: The processor's ``policy``: "always" shows what a request gives where "auto" declines it.
@@ -73,7 +75,7 @@ class ProcessorSetting:
     def processor_kwargs(self, threshold: float, backend: str) -> dict[str, Any]:
         kwargs: dict[str, Any] = {"backend": backend, "policy": self.policy}
         if self.quant:
-            kwargs["quant"] = {"dtype_qk": self.quant}
+            kwargs["quant"] = {"dtype_qk": self.quant, "smooth_k": True} if self.smooth_k else {"dtype_qk": self.quant}
         if self.target_sparsity is not None:
             kwargs.update(target_sparsity=self.target_sparsity, disabled_until_timestep=0.0)
         elif self.skip:
@@ -89,6 +91,7 @@ SETTINGS: dict[str, ProcessorSetting] = {
         ProcessorSetting("stock-sage2", diffusers_backend="sage"),
         ProcessorSetting("sage-int8", quant="int8"),
         ProcessorSetting("sage-int8-always", quant="int8", policy="always"),
+        ProcessorSetting("sage-int8-smooth", quant="int8", smooth_k=True),
         ProcessorSetting("sage-fp8", quant="fp8_e4m3"),
         ProcessorSetting("skip", skip=True),
         ProcessorSetting("skip-always", skip=True, policy="always"),
