@@ -2,7 +2,8 @@
 
     python3 benchmarks/bench_quantizer.py --shapes wan_14b_480p,flux_1024 --out benchmarks/results/quantizer_h200.json
 
-Each setting is (V channels per program, tokens V reads at a time, tokens per Q/K program, warps); every
+Each setting is (V by token tiles, V channels per program, tokens V reads at a time, tokens per Q/K
+program, warps; with ``V_SPLIT`` the V channel settings do not apply and only their first values run); every
 setting's output must equal the default's bit for bit (the layout does not depend on them). ``copy ms`` is
 torch copying Q, K and V once (reads and writes of the quantizer's input size): the memory floor.
 """
@@ -23,7 +24,7 @@ from diffusers_trtllm.kernels import triton_quant
 from diffusers_trtllm.kernels.sage_sm90 import sage_sm90_quantize
 from diffusers_trtllm.layout import PackedLayout
 
-SETTINGS = ("V_CHANNELS", "V_BLOCK_T", "QUANT_BLOCK_T", "QUANT_WARPS")
+SETTINGS = ("V_SPLIT", "V_CHANNELS", "V_BLOCK_T", "QUANT_BLOCK_T", "QUANT_WARPS")
 
 
 def _outputs(st) -> list[torch.Tensor]:
@@ -77,15 +78,17 @@ def markdown(result: dict) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="wan_14b_480p,wan_14b_720p,flux_1024")
-    p.add_argument("--v-channels", default="16,32")
+    p.add_argument("--v-split", default="0,1", help="V_SPLIT values (1: V by token tiles, two launches)")
+    p.add_argument("--v-channels", default="8,16")
     p.add_argument("--v-block", default="128,512")
     p.add_argument("--block-t", default="64,128")
     p.add_argument("--warps", default="4,8")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--out", default=None, help="JSON results file; a Markdown table is written beside it")
     args = p.parse_args()
-    axes = [[int(x) for x in a.split(",")] for a in (args.v_channels, args.v_block, args.block_t, args.warps)]
-    grid = list(itertools.product(*axes))
+    axes = [[int(x) for x in a.split(",")] for a in (args.v_split, args.v_channels, args.v_block, args.block_t,
+                                                       args.warps)]
+    grid = [s for s in itertools.product(*axes) if not s[0] or s[1:3] == (axes[1][0], axes[2][0])]
     rows = [row for shape in parse_shapes(args.shapes) for row in run_shape(shape, grid, args.iters)]
     if args.out:
         write_result(args.out, "bench_quantizer.py", environment(), rows, markdown)

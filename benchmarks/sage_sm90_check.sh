@@ -15,7 +15,7 @@ timeout 150 python3 benchmarks/bench_sage_sm90.py --shapes wan_14b_480p,wan_14b_
   --iters 10 --out "$out/sage_sm90_sweep_diffuse.json" | grep -v "skip0\|skip50"
 timeout 120 python3 benchmarks/bench_sage_sm90.py --shapes wan_14b_480p,wan_14b_720p,flux_1024 --builds "$builds" \
   --iters 10 --out "$out/sage_sm90_sweep.json" | grep -v "skip0"
-timeout 90 python3 benchmarks/bench_quantizer.py --v-channels 4,8,16 --v-block 128 --block-t 64,128 --warps 8 \
+timeout 90 python3 benchmarks/bench_quantizer.py --v-split 0,1 --v-channels 4,8,16 --v-block 128 --block-t 64,128 --warps 8 \
   --out "$out/quantizer.json" 2>&1 | grep -v "setting/s"
 # the kernels' error on a model's own activations (Wan2.1-1.3B, random weights), beside SageAttention2's
 timeout 120 python3 benchmarks/sage_error_probe.py --models wan2.1-t2v-1.3b --variant full --calls 0,10,20,29 \

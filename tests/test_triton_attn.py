@@ -95,6 +95,17 @@ def _check_quantize_properties():
     check()
 
 
+def _with_v_split(check, *args):
+    """``check`` with the quantizer's ``V_SPLIT`` path (V by token tiles, scales by an atomic max) on."""
+    from diffusers_trtllm.kernels import triton_quant
+
+    triton_quant.V_SPLIT = True
+    try:
+        check(*args)
+    finally:
+        triton_quant.V_SPLIT = False
+
+
 def _check_attention(dtype, dim, kv_heads, dtype_qk, skip):
     from diffusers_trtllm.config import QuantConfig
     from diffusers_trtllm.kernels.reference import reference_attention
@@ -219,6 +230,14 @@ CASES = {
     # An empty KV sequence between two others: its gap is zeroed too (the previous one's last tile reads it).
     "quantize-int8-empty-kv-sequence": (_check_quantize, ("int8", 1, 16, False, (37, 0, 70), (45, 0, 100))),
     "quantize-hypothesis-vs-reference": (_check_quantize_properties, ()),
+    # V_SPLIT: the same layout, bit for bit, from V's token tiles
+    "quantize-split-int8-1-16-plain": (_with_v_split, (_check_quantize, "int8", 1, 16, False)),
+    "quantize-split-fp8-4-4-smooth-gpu-order": (_with_v_split, (_check_quantize, "fp8_e4m3", 4, 4, True, LENS_Q, LENS_KV,
+                                                                True)),
+    "quantize-split-empty-kv-sequence": (_with_v_split, (_check_quantize, "int8", 1, 16, False, (37, 0, 70),
+                                                         (45, 0, 100))),
+    "quantize-split-hypothesis-vs-reference": (_with_v_split, (_check_quantize_properties,)),
+    "nonfinite-split-int8-noskip-v-nan": (_with_v_split, (_check_nonfinite, "int8", None, "v", math.nan)),
     "dense-fp32-d64-gqa": (_check_attention, (torch.float32, 64, 2, None, None)),
     "dense-fp16-d128": (_check_attention, (torch.float16, 128, 4, None, None)),
     "dense-fp16-d64-skip": (_check_attention, (torch.float16, 64, 4, None, 0.05)),
@@ -308,9 +327,10 @@ def test_rejects_unsupported_head_dim():
         triton_attention(q, q, q, _layout((8,), (8,)), softmax_scale=0.1)
 
 
-@pytest.mark.parametrize("sm,dtype_qk,mma_key_order,smooth_k", [(90, "int8", True, False), (90, "fp8_e4m3", False, True),
-                                                                (80, "int8", False, False)])
-def test_quantizer_compiles_for_the_gpu(sm, dtype_qk, mma_key_order, smooth_k):
+@pytest.mark.parametrize("sm,dtype_qk,mma_key_order,smooth_k,v_split", [
+    (90, "int8", True, False, False), (90, "fp8_e4m3", False, True, False), (80, "int8", False, False, False),
+    (90, "int8", True, False, True)])
+def test_quantizer_compiles_for_the_gpu(sm, dtype_qk, mma_key_order, smooth_k, v_split):
     """The one-launch quantizer through Triton's whole GPU pipeline (to PTX and cubin) without a GPU: the
     interpreter above checks its values, not that its layouts (the V programs' [V_CHANNELS x V_BLOCK_T] fp8 transpose
     and masked stores) lower for a real target. SM80 has no fp8: V is kept in fp16 there."""
@@ -326,23 +346,30 @@ def test_quantizer_compiles_for_the_gpu(sm, dtype_qk, mma_key_order, smooth_k):
     qk = torch.int8 if dtype_qk == "int8" else torch.float8_e4m3fn
     bf16, f32, i32 = (torch.empty(16, dtype=t) for t in (torch.bfloat16, torch.float32, torch.int32))
     quantized, vt = torch.empty(16, dtype=qk), torch.empty(16, dtype=torch.float8_e4m3fn if native else torch.float16)
-    runtime = (bf16, bf16, bf16, quantized, quantized, vt, f32, f32, f32, f32, i32, i32,
-               7, 7, 4, 4, 512, 300, 2, 512, 128, 256, 128, 256, 128)
+    v_scale = i32 if v_split else f32  # V_SPLIT folds V's amax into int32 bits
+    runtime = (bf16, bf16, bf16, quantized, quantized, vt, f32, f32, v_scale, f32, i32, i32,
+               7, 7, 4, 4, 512, 300, 2, 10, 512, 128, 256, 128, 256, 128)
     constexprs = dict(H=4, HKV=2, D=128, BLOCK_T=triton_quant.QUANT_BLOCK_T, Q_BS=1, K_BS=16,
                       QMAX=127 if dtype_qk == "int8" else 448, IS_INT8=dtype_qk == "int8", SMOOTH_K=smooth_k,
                       NATIVE=native, MMA_KEY_ORDER=mma_key_order, V_CH=triton_quant.V_CHANNELS,
-                      V_BLOCK=triton_quant.V_BLOCK_T)
-    kernel = triton_quant._sage_quant_kernel
-    signature = {name: mangle_type(arg) for name, arg in zip(kernel.arg_names, runtime)}
-    signature.update({name: "constexpr" for name in constexprs})
-    try:
-        compiled = triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", sm, 32),
-                                  options=dict(num_warps=triton_quant.QUANT_WARPS))
-    except Exception as exc:  # a Triton without the CUDA backend, not a kernel bug
-        if "backend" in str(exc).lower() and "cuda" in str(exc).lower():
-            pytest.skip(f"this Triton cannot compile for CUDA: {exc}")
-        raise
-    assert compiled.asm["cubin"] and "st.global" in compiled.asm["ptx"]
+                      V_BLOCK=triton_quant.V_BLOCK_T, V_SPLIT=v_split)
+    kernels = [(triton_quant._sage_quant_kernel, runtime, constexprs)]
+    if v_split:
+        kernels.append((triton_quant._quantize_v_tiles_kernel, (bf16, vt, f32, i32, i32, 512, 256, 128),
+                        dict(D=128, BLOCK_T=triton_quant.QUANT_BLOCK_T, NATIVE=native, MMA_KEY_ORDER=mma_key_order)))
+    for kernel, args, consts in kernels:
+        signature = {name: mangle_type(arg) for name, arg in zip(kernel.arg_names, args)}
+        signature.update({name: "constexpr" for name in consts})
+        try:
+            compiled = triton.compile(ASTSource(kernel, signature, consts), target=GPUTarget("cuda", sm, 32),
+                                      options=dict(num_warps=triton_quant.QUANT_WARPS))
+        except Exception as exc:  # a Triton without the CUDA backend, not a kernel bug
+            if "backend" in str(exc).lower() and "cuda" in str(exc).lower():
+                pytest.skip(f"this Triton cannot compile for CUDA: {exc}")
+            raise
+        assert compiled.asm["cubin"] and "st.global" in compiled.asm["ptx"]
+        if v_split and kernel is triton_quant._sage_quant_kernel:
+            assert "atom.global" in compiled.asm["ptx"] or "red.global" in compiled.asm["ptx"]
 
 
 if __name__ == "__main__":

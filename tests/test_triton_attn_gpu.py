@@ -73,8 +73,12 @@ def test_dense_matches_reference(dim, kv_heads):
 
 @pytest.mark.parametrize("dtype_qk", ["int8", "fp8_e4m3"])
 @pytest.mark.parametrize("blocks", [(1, 16, False), (4, 4, True), (16, 1, False)])
-def test_sage_quantization_matches_reference(dtype_qk, blocks):
+@pytest.mark.parametrize("v_split", [False, True], ids=["v-channels", "v-split"])
+def test_sage_quantization_matches_reference(dtype_qk, blocks, v_split, monkeypatch):
+    from diffusers_trtllm.kernels import triton_quant
     from diffusers_trtllm.kernels.triton_quant import sage_quantize_triton
+
+    monkeypatch.setattr(triton_quant, "V_SPLIT", v_split)
 
     q, k, v, layout = _inputs(128)
     quant = QuantConfig(dtype_qk, *blocks)

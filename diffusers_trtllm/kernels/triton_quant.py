@@ -10,7 +10,10 @@ to quantize, so no reduction has to finish before the launch; then programs for 
 Q tiles and the K tiles of every sequence (tile fastest, then sequence, then head).
 The V programs are the launch's longest work, so they come first in program-id order:
 they start at once and the short Q/K tiles fill the GPU beside them, instead of the
-last head's V programs running as a serial tail.
+last head's V programs running as a serial tail. With ``V_SPLIT`` (opt-in, not yet measured)
+V goes by token tiles instead: in the same launch each tile folds its channels' amax
+into V's scales by an atomic max, and a second launch of token tiles quantizes and
+transposes V, so no program walks every token.
 
 V is written transposed, ``[kv_heads * dim, padded tokens]``, because Hopper's
 fp8 tensor-core product needs the reduction dimension (tokens, in P·V)
@@ -53,6 +56,10 @@ QUANT_BLOCK_T = 64
 V_CHANNELS, V_BLOCK_T = 8, 128
 #: Warps per program.
 QUANT_WARPS = 8
+#: V by token tiles instead: tiles of ``QUANT_BLOCK_T`` tokens fold their channels' amax into V's scales by an
+#: atomic max, and a second launch of token tiles quantizes and transposes V, instead of one program per block
+#: of channels walking every token twice (a long serial path). Off until measured on a GPU.
+V_SPLIT = False
 _AMAX_FLOOR, _FP8_MAX = tl.constexpr(AMAX_FLOOR), tl.constexpr(FP8_MAX)
 
 
@@ -176,23 +183,26 @@ def _sage_quant_kernel(
     q_ptr, k_ptr, v_ptr, qo_ptr, ko_ptr, vt_ptr,
     q_scale_ptr, k_scale_ptr, v_scale_ptr, k_mean_ptr,
     cu_q_ptr, cu_kv_ptr,
-    n_q_blocks, n_k_blocks, n_q_tiles, n_kv_tiles, vt_stride, tokens_kv, num_seqs,
+    n_q_blocks, n_k_blocks, n_q_tiles, n_kv_tiles, vt_stride, tokens_kv, num_seqs, n_v_programs,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
     Q_BS: tl.constexpr, K_BS: tl.constexpr, QMAX: tl.constexpr, IS_INT8: tl.constexpr,
     SMOOTH_K: tl.constexpr, NATIVE: tl.constexpr, MMA_KEY_ORDER: tl.constexpr,
-    V_CH: tl.constexpr, V_BLOCK: tl.constexpr,
+    V_CH: tl.constexpr, V_BLOCK: tl.constexpr, V_SPLIT: tl.constexpr,
 ):
     # 1D grid, V programs first: they are the launch's longest work (each reads all tokens twice), so they start
     # at once and the short Q/K tiles fill the GPU beside them (``sage_quantize_triton`` sizes the grid).
     pid = tl.program_id(0)
-    n_v = D // V_CH  # V programs per KV head
-    if pid < HKV * n_v:  # V's channels (pid % n_v) * V_CH ... of KV head pid // n_v
-        _quantize_v_channels(v_ptr, vt_ptr, v_scale_ptr, cu_kv_ptr, (pid % n_v) * V_CH, pid // n_v,
-                             tokens_kv, num_seqs, vt_stride, stride_vt, stride_vh, D, NATIVE, MMA_KEY_ORDER, V_CH,
-                             V_BLOCK)
+    if pid < n_v_programs:
+        if V_SPLIT:  # V's amax over tokens (pid // HKV) * BLOCK_T ... of KV head pid % HKV, into v_scale_ptr's bits
+            _fold_v_amax(v_ptr, v_scale_ptr, pid % HKV, (pid // HKV) * BLOCK_T, tokens_kv, stride_vt, stride_vh, D,
+                         BLOCK_T)
+        else:  # V's channels (pid % n_v) * V_CH ... of KV head pid // n_v, n_v = D // V_CH
+            _quantize_v_channels(v_ptr, vt_ptr, v_scale_ptr, cu_kv_ptr, (pid % (D // V_CH)) * V_CH, pid // (D // V_CH),
+                                 tokens_kv, num_seqs, vt_stride, stride_vt, stride_vh, D, NATIVE, MMA_KEY_ORDER, V_CH,
+                                 V_BLOCK)
     else:  # a Q or K tile: tile fastest, then sequence, then head
-        r = pid - HKV * n_v
+        r = pid - n_v_programs
         tile = r % (n_q_tiles + n_kv_tiles)
         r = r // (n_q_tiles + n_kv_tiles)
         seq = r % num_seqs
@@ -245,10 +255,9 @@ def _quantize_v_channels(v_ptr, vt_ptr, v_scale_ptr, cu_kv_ptr, ch0, head, token
         ok = (t0 + toks) < tokens_kv
         x = tl.load(columns + (t0 + toks)[:, None].to(tl.int64) * stride_vt, mask=ok[:, None], other=0.0)
         amax = _maximum_nan(amax, max_nan(tl.abs(x.to(tl.float32)), 0))
-    scale = tl.math.div_rn(tl.maximum(amax, _AMAX_FLOOR, propagate_nan=tl.PropagateNan.ALL), _FP8_MAX)
+    scale = _v_scale(amax)
     tl.store(v_scale_ptr + head * D + ch, scale)
     v_rows = vt_ptr + (head * D + ch)[:, None].to(tl.int64) * vt_stride
-    zeros = tl.zeros([V_CH, V_BLOCK], dtype=vt_ptr.dtype.element_ty)
     for seq in range(num_seqs):
         start = tl.load(cu_kv_ptr + seq)
         length = tl.load(cu_kv_ptr + seq + 1) - start
@@ -256,17 +265,78 @@ def _quantize_v_channels(v_ptr, vt_ptr, v_scale_ptr, cu_kv_ptr, ch0, head, token
         for local in range(0, length, V_BLOCK):
             ok = (local + toks) < length
             x = tl.load(columns + (start + local + toks)[:, None].to(tl.int64) * stride_vt, mask=ok[:, None], other=0.0)
-            y = round_fp8_grid(tl.clamp(tl.math.div_rn(x.to(tl.float32), scale[None, :]), -448.0, 448.0))
-            vq = tl.trans(y.to(tl.float8e4nv) if NATIVE else y.to(tl.float16))  # [V_CH, V_BLOCK]: tokens contiguous
-            cols = first + local + toks
-            if MMA_KEY_ORDER:
-                cols = mma_key_column(cols)
-            tl.store(v_rows + cols[None, :], vq, mask=ok[None, :])
-        gap = vt_start(seq + 1, start + length) - first - length  # 17 .. 47 columns
-        gap_cols = first + length + toks
-        if MMA_KEY_ORDER:
-            gap_cols = mma_key_column(gap_cols)
-        tl.store(v_rows + gap_cols[None, :], zeros, mask=(toks < gap)[None, :])
+            _store_vt(v_rows, x, scale, first + local + toks, ok, NATIVE, MMA_KEY_ORDER)
+        _zero_vt_gap(v_rows, seq, start, length, toks, V_CH, V_BLOCK, MMA_KEY_ORDER)
+
+
+@triton.jit
+def _v_scale(amax):
+    """V's per-channel scale from its amax (NaN stays NaN)."""
+    return tl.math.div_rn(tl.maximum(amax, _AMAX_FLOOR, propagate_nan=tl.PropagateNan.ALL), _FP8_MAX)
+
+
+@triton.jit
+def _store_vt(v_rows, x, scale, cols, ok, NATIVE: tl.constexpr, MMA_KEY_ORDER: tl.constexpr):
+    """V values ``x`` (``[tokens, channels]``) in fp8 by their channels' ``scale``, stored transposed at key
+    columns ``cols`` of the channels' rows ``v_rows``."""
+    y = round_fp8_grid(tl.clamp(tl.math.div_rn(x.to(tl.float32), scale[None, :]), -448.0, 448.0))
+    vq = tl.trans(y.to(tl.float8e4nv) if NATIVE else y.to(tl.float16))  # [channels, tokens]: tokens contiguous
+    if MMA_KEY_ORDER:
+        cols = mma_key_column(cols)
+    tl.store(v_rows + cols[None, :], vq, mask=ok[None, :])
+
+
+@triton.jit
+def _zero_vt_gap(v_rows, seq, start, length, toks, CH: tl.constexpr, T: tl.constexpr, MMA_KEY_ORDER: tl.constexpr):
+    """Zero the transposed V's columns between sequence ``seq``'s last key and the next sequence's start
+    (17 .. 47 columns, so ``T`` >= 48)."""
+    first = vt_start(seq, start)
+    gap = vt_start(seq + 1, start + length) - first - length
+    cols = first + length + toks
+    if MMA_KEY_ORDER:
+        cols = mma_key_column(cols)
+    tl.store(v_rows + cols[None, :], tl.zeros([CH, T], dtype=v_rows.dtype.element_ty), mask=(toks < gap)[None, :])
+
+
+@triton.jit
+def _fold_v_amax(v_ptr, amax_bits_ptr, head, t0, tokens_kv, stride_vt, stride_vh, D: tl.constexpr,
+                 BLOCK_T: tl.constexpr):
+    """Tokens ``t0 .. t0 + BLOCK_T - 1`` of one head of V (any sequence or none, as the reference's amax):
+    their channels' amax folded into ``amax_bits_ptr`` (zeroed int32) by an atomic integer max of the float
+    bits, which orders non-negative floats as the floats and puts NaN above inf."""
+    dims = tl.arange(0, D)
+    rows = t0 + tl.arange(0, BLOCK_T)
+    ok = rows < tokens_kv
+    x = tl.load(v_ptr + rows[:, None].to(tl.int64) * stride_vt + head * stride_vh + dims[None, :], mask=ok[:, None],
+                other=0.0)
+    amax = max_nan(tl.abs(x.to(tl.float32)), 0)
+    tl.atomic_max(amax_bits_ptr + head * D + dims, amax.to(tl.int32, bitcast=True))
+
+
+@triton.jit
+def _quantize_v_tiles_kernel(v_ptr, vt_ptr, v_scale_ptr, amax_bits_ptr, cu_kv_ptr, vt_stride, stride_vt, stride_vh,
+                             D: tl.constexpr, BLOCK_T: tl.constexpr, NATIVE: tl.constexpr,
+                             MMA_KEY_ORDER: tl.constexpr):
+    """``V_SPLIT``'s second launch, grid (tiles, sequences, KV heads): one tile of one sequence's V in fp8 by
+    the scales the first launch's amax gives, transposed; tile 0 also zeroes the sequence's gap (an empty
+    sequence's too) and, of sequence 0, stores the scales."""
+    tile, seq, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    dims = tl.arange(0, D)
+    scale = _v_scale(tl.load(amax_bits_ptr + head * D + dims).to(tl.float32, bitcast=True))
+    start = tl.load(cu_kv_ptr + seq)
+    length = tl.load(cu_kv_ptr + seq + 1) - start
+    toks = tl.arange(0, BLOCK_T)
+    v_rows = vt_ptr + (head * D + dims)[:, None].to(tl.int64) * vt_stride
+    local = tile * BLOCK_T
+    if local < length:
+        ok = (local + toks) < length
+        x = tl.load(v_ptr + (start + local + toks)[:, None].to(tl.int64) * stride_vt + head * stride_vh + dims[None, :],
+                    mask=ok[:, None], other=0.0)
+        _store_vt(v_rows, x, scale, vt_start(seq, start) + local + toks, ok, NATIVE, MMA_KEY_ORDER)
+    if tile == 0:
+        _zero_vt_gap(v_rows, seq, start, length, toks, D, BLOCK_T, MMA_KEY_ORDER)
+        if seq == 0:
+            tl.store(v_scale_ptr + head * D + dims, scale)
 
 
 def sage_quantize_triton(
@@ -300,18 +370,25 @@ def sage_quantize_triton(
     )
     n_q_tiles = triton.cdiv(layout.max_seqlen_q, QUANT_BLOCK_T)
     n_kv_tiles = triton.cdiv(layout.max_seqlen_kv, QUANT_BLOCK_T)
-    # The kernel decodes this order: kv_heads * (dim // V_CHANNELS) V programs, then the Q/K tiles of every
-    # (sequence, head).
-    grid = (kv_heads * (dim // V_CHANNELS) + (n_q_tiles + n_kv_tiles) * layout.num_seqs * heads,)
+    # V's programs come first on the grid: V_SPLIT's amax tiles (into amax_bits, V's scales as int32 bits) or one
+    # per block of channels; then the Q/K tiles of every (sequence, head).
+    amax_bits = torch.zeros(kv_heads, dim, dtype=torch.int32, device=q.device) if V_SPLIT else v_scale
+    n_v_programs = kv_heads * (triton.cdiv(tokens_kv, QUANT_BLOCK_T) if V_SPLIT else dim // V_CHANNELS)
+    grid = (n_v_programs + (n_q_tiles + n_kv_tiles) * layout.num_seqs * heads,)
     _sage_quant_kernel[grid](
         q, k, v, out.q, out.k, out.vt,
-        out.q_scale, out.k_scale, v_scale, k_mean,
+        out.q_scale, out.k_scale, amax_bits, k_mean,
         layout.cu_seqlens_q, layout.cu_seqlens_kv,
-        n_q_blocks, n_k_blocks, n_q_tiles, n_kv_tiles, padded, tokens_kv, layout.num_seqs,
+        n_q_blocks, n_k_blocks, n_q_tiles, n_kv_tiles, padded, tokens_kv, layout.num_seqs, n_v_programs,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         H=heads, HKV=kv_heads, D=dim, BLOCK_T=QUANT_BLOCK_T,
         Q_BS=quant.q_block_size, K_BS=quant.k_block_size, QMAX=quant.qk_max,
         IS_INT8=qk_dtype == torch.int8, SMOOTH_K=quant.smooth_k, NATIVE=native, MMA_KEY_ORDER=mma_key_order,
-        V_CH=V_CHANNELS, V_BLOCK=V_BLOCK_T, num_warps=QUANT_WARPS,
+        V_CH=V_CHANNELS, V_BLOCK=V_BLOCK_T, V_SPLIT=V_SPLIT, num_warps=QUANT_WARPS,
     )
+    if V_SPLIT:
+        _quantize_v_tiles_kernel[(max(n_kv_tiles, 1), layout.num_seqs, kv_heads)](
+            v, out.vt, v_scale, amax_bits, layout.cu_seqlens_kv, padded, v.stride(0), v.stride(1),
+            D=dim, BLOCK_T=QUANT_BLOCK_T, NATIVE=native, MMA_KEY_ORDER=mma_key_order, num_warps=QUANT_WARPS,
+        )
     return out
