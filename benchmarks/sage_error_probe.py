@@ -40,6 +40,9 @@ SETTINGS = {
     "fp8 (q 1, k 16) + smooth_k": QuantConfig("fp8_e4m3", 1, 16, smooth_k=True),
 }
 
+#: The GPU kernels ``--device cuda`` runs beside the emulation (``kernels``), by route name.
+KERNELS = ("fa3", "fmha-v2-fp8", "sage-sm90", "triton", "sageattn")
+
 
 class _Recorded(Exception):
     pass
@@ -71,15 +74,15 @@ def record_qkv(name: str, variant: str, latent: tuple[int, ...] | None, calls: t
 
 
 def run_model(name: str, variant: str, latent: tuple[int, ...] | None, calls: tuple[int, ...], queries: int,
-              seed: int, device: str) -> list[dict]:
+              seed: int, device: str, chosen: tuple[str, ...] = KERNELS) -> list[dict]:
     rows = []
     for call, (q, k, v) in record_qkv(name, variant, latent, calls, seed, device).items():
-        rows += run_call(name, call, q, k, v, queries, seed)
+        rows += run_call(name, call, q, k, v, queries, seed, chosen)
     return rows
 
 
-def run_call(name: str, call: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, queries: int, seed: int
-             ) -> list[dict]:
+def run_call(name: str, call: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, queries: int, seed: int,
+             chosen: tuple[str, ...]) -> list[dict]:
     sample = torch.randperm(q.shape[0], generator=torch.Generator().manual_seed(seed))[:queries].sort().values
     qs = q[sample.to(q.device)].contiguous()
     cu_q = torch.tensor([0, qs.shape[0]], dtype=torch.int32, device=q.device)
@@ -97,31 +100,40 @@ def run_call(name: str, call: int, q: torch.Tensor, k: torch.Tensor, v: torch.Te
                  k_mean_over_std_max=float((k_mean.abs() / k.std(dim=0)).max()))]
     outputs = {label: (lambda quant=quant: attend(quant)) for label, quant in SETTINGS.items()}
     if qs.is_cuda:
-        outputs.update(kernels(qs, k, v, scale))
+        outputs.update({label: run for label, run in kernels(qs, k, v, scale).items() if label.split()[0] in chosen})
     for label, run in tqdm(outputs.items(), desc=f"{name} call {call}", unit="setting"):
-        out = run().float()
+        try:
+            out = run().float()
+        except Exception as err:  # a kernel this machine lacks: report and go on
+            rows.append(dict(model=name, call=call, setting=label, error=f"{type(err).__name__}: {err}"))
+            print(f"{name:18s} call {call:3d} {label:30s} FAILED {rows[-1]['error']}", flush=True)
+            continue
         rows.append(dict(model=name, call=call, setting=label, rel_l1=rel_l1(out, dense), cosine=cosine(out, dense)))
-        print(f"{name:18s} call {call:3d} {label:30s} rel-L1 {rows[-1]['rel_l1']:.4f} cosine {rows[-1]['cosine']:.5f}", flush=True)
+        print(f"{name:18s} call {call:3d} {label:30s} rel-L1 {rows[-1]['rel_l1']:.4f} cosine {rows[-1]['cosine']:.5f}",
+              flush=True)
     return rows
 
 
 def kernels(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> dict[str, Callable[[], torch.Tensor]]:
-    """The GPU kernels on the same queries: ours through ``run_attention`` (policy off) and SageAttention2."""
+    """The GPU kernels on the same queries: ours through ``attention`` (policy off; fa3 dense bf16 is the floor,
+    fmha-v2-fp8 the fp8 route with per-tensor scales) and SageAttention2."""
     from diffusers_trtllm import attention
 
-    def ours(backend: str, quant: QuantConfig) -> torch.Tensor:
+    def ours(backend: str, quant: QuantConfig | None) -> torch.Tensor:
         x = (t.to(torch.bfloat16)[None] for t in (q, k, v))
         return attention(*x, softmax_scale=scale, quant=quant, backend=backend, policy="always")[0]
 
-    runs = {f"{backend} int8{' + smooth_k' if smooth else ''}": (lambda b=backend, s=smooth: ours(
+    runs = {"fa3 dense bf16": lambda: ours("fa3", None),
+            "fmha-v2-fp8": lambda: ours("fmha-v2-fp8", QuantConfig("fp8_e4m3"))}
+    runs.update({f"{backend} int8{' + smooth_k' if smooth else ''}": (lambda b=backend, s=smooth: ours(
                 b, QuantConfig("int8", 1, 16, smooth_k=s)))
-            for backend in ("sage-sm90", "triton") for smooth in (False, True)}
+                for backend in ("sage-sm90", "triton") for smooth in (False, True)})
     try:
         import sageattention
     except ImportError as err:
         print("sageattn unavailable:", err)
         return runs
-    runs["SageAttention2 (sageattn)"] = lambda: sageattention.sageattn(
+    runs["sageattn (SageAttention2)"] = lambda: sageattention.sageattn(
         *(t.to(torch.bfloat16)[None].contiguous() for t in (q, k, v)), tensor_layout="NHD", is_causal=False,
         sm_scale=scale)[0]  # (it smooths its own copy of K)
     return runs
@@ -129,14 +141,16 @@ def kernels(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> 
 
 def markdown(result: dict) -> str:
     env = result["environment"]
-    lines = [f"{env['device']}, torch {env['torch']}, diffusers {env['diffusers']}; `{result['command']}`", "", "| model | call | tokens | K mean / K std (mean, max) | setting | rel-L1 | cosine |",
+    lines = [f"{env['device']}, torch {env['torch']}, diffusers {env['diffusers']}; `{result['command']}`", "",
+             "| model | call | tokens | K mean / K std (mean, max) | setting | rel-L1 | cosine |",
              "|---|---:|---:|---:|---|---:|---:|"]
     for r in result["rows"]:
         if "setting" not in r:
             info = r
             continue
-        lines.append(f"| {r['model']} | {r['call']} | {info['tokens']} | {info['k_mean_over_std']:.2f}, {info['k_mean_over_std_max']:.1f} | {r['setting']} | "
-                     f"{r['rel_l1']:.4f} | {r['cosine']:.5f} |")
+        head = (f"| {r['model']} | {r['call']} | {info['tokens']} | "
+                f"{info['k_mean_over_std']:.2f}, {info['k_mean_over_std_max']:.1f} | {r['setting']} |")
+        lines.append(f"{head} failed: {r['error']} | |" if "error" in r else f"{head} {r['rel_l1']:.4f} | {r['cosine']:.5f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -150,12 +164,14 @@ def main() -> None:
     p.add_argument("--queries", type=int, default=512, help="queries sampled per model (all keys are used)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help="cuda also runs the GPU kernels on the recorded Q/K/V")
+    p.add_argument("--kernels", default=",".join(KERNELS), help=f"GPU kernels to run, from {', '.join(KERNELS)}")
     p.add_argument("--out", default=None, help="JSON results file; a Markdown table is written beside it")
     args = p.parse_args()
     latent = tuple(int(x) for x in args.latent.split(",")) if args.latent else None
     calls = tuple(int(x) for x in args.calls.split(","))
     rows = [row for name in args.models.split(",")
-            for row in run_model(name, args.variant, latent, calls, args.queries, args.seed, args.device)]
+            for row in run_model(name, args.variant, latent, calls, args.queries, args.seed, args.device,
+                                 tuple(args.kernels.split(",")))]
     import diffusers
 
     gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"

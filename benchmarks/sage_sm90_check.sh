@@ -19,7 +19,7 @@ timeout 90 python3 benchmarks/bench_quantizer.py --v-split 0,1 --v-channels 4,8,
   --out "$out/quantizer.json" 2>&1 | grep -v "setting/s"
 # the kernels' error on a model's own activations (Wan2.1-1.3B, random weights), beside SageAttention2's
 timeout 120 python3 benchmarks/sage_error_probe.py --models wan2.1-t2v-1.3b --variant full --calls 0,10,20,29 \
-  --device cuda --out "$out/sage_error_probe.json" 2>&1 | grep "^|"
+  --device cuda --kernels sage-sm90,triton,sageattn --out "$out/sage_error_probe.json" 2>&1 | grep "^|"
 # what bounds the default build: one call under Nsight Compute (speed of light, pipes, stalls, instruction mix)
 timeout 100 ncu --clock-control none -k regex:sage_sm90_d --launch-skip 1 -c 1 --section SpeedOfLight \
   --section ComputeWorkloadAnalysis --section WarpStateStats --section InstructionStats --section SchedulerStats \
