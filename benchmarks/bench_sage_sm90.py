@@ -48,9 +48,6 @@ BUILDS = {
     "mufu-only": ("SAGE_SM90_SOFT_EXP=0",),
     "softexp6": ("SAGE_SM90_SOFT_EXP=6",),
     "softexp8": ("SAGE_SM90_SOFT_EXP=8",),
-    "oflush2": ("SAGE_SM90_O_FLUSH=2",),
-    "oflush4": ("SAGE_SM90_O_FLUSH=4",),
-    "oflush8": ("SAGE_SM90_O_FLUSH=8",),
 }
 
 

@@ -18,8 +18,7 @@ pytestmark = [pytest.mark.gpu, requires_cuda]
 
 BUILDS = {"default": (), "no_pingpong": ("SAGE_SM90_PINGPONG=0",), "two_stages": ("SAGE_SM90_STAGES=2",),
           "serial": ("SAGE_SM90_OVERLAP=0",), "fp32_poly": ("SAGE_SM90_HALF_POLY=0",),
-          "serial_fp32_poly": ("SAGE_SM90_OVERLAP=0", "SAGE_SM90_HALF_POLY=0"), "o_flush": ("SAGE_SM90_O_FLUSH=4",),
-          "serial_o_flush": ("SAGE_SM90_OVERLAP=0", "SAGE_SM90_O_FLUSH=3")}
+          "serial_fp32_poly": ("SAGE_SM90_OVERLAP=0", "SAGE_SM90_HALF_POLY=0")}
 
 
 @pytest.fixture(autouse=True)
@@ -72,14 +71,14 @@ def test_zero_skip_factor_skips_nothing():
 INT8_ROUTES = [(qk, skip) for qk, skip in ROUTES if qk == "int8"]
 
 
-@pytest.mark.parametrize("build", ["default", "serial_fp32_poly", "o_flush"])
+@pytest.mark.parametrize("build", ["default", "serial_fp32_poly"])
 @pytest.mark.parametrize("dtype_qk,skip", INT8_ROUTES)
 @pytest.mark.parametrize("dtype,magnitude", MAGNITUDES)
 def test_extreme_magnitudes_stay_finite(dtype, magnitude, dtype_qk, skip, build):
     check_extreme_magnitudes(functools.partial(_attention, defines=BUILDS[build]), 64, dtype, magnitude, dtype_qk, skip)
 
 
-@pytest.mark.parametrize("build", ["default", "serial_fp32_poly", "o_flush"])
+@pytest.mark.parametrize("build", ["default", "serial_fp32_poly"])
 @pytest.mark.parametrize("dtype_qk,skip", INT8_ROUTES)
 @pytest.mark.parametrize("tensor,value", NONFINITE)
 def test_nonfinite_inputs_propagate(tensor, value, dtype_qk, skip, build):

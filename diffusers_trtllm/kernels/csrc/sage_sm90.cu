@@ -31,9 +31,6 @@
 // groups, softmax of tile n + 1 beside the latter; 0: both in one group, waited for together) and
 // SAGE_SM90_HALF_POLY (the FMA-pipe exponentials two at a time in half precision, exp2_e4m3x2; 0: one at a
 // time in fp32). The defaults are the fastest measured (benchmarks/results/sage_sm90_sweep_h200.md).
-// SAGE_SM90_O_FLUSH=N (off by default, not yet run on a GPU) adds O's tensor-core partial sum into an fp32
-// copy in shared memory every N tiles, so that no more than N tiles accumulate inside the tensor cores
-// (docs/design.md, "Open: why the end-to-end error is twice SageAttention2's").
 
 #include <stdint.h>
 #include <cuda_bf16.h>
@@ -53,9 +50,6 @@
 #endif
 #ifndef SAGE_SM90_OVERLAP  // FA3's intra-warpgroup overlap (softmax of tile n beside P.V of tile n - 1)
 #define SAGE_SM90_OVERLAP 1
-#endif
-#ifndef SAGE_SM90_O_FLUSH  // every this many tiles O moves from the tensor cores' accumulator to fp32 (0: never)
-#define SAGE_SM90_O_FLUSH 0
 #endif
 
 namespace sage_sm90 {
@@ -388,9 +382,6 @@ struct Smem {
   uint8_t k[STAGES][BLOCK_N * D];      // rows of D bytes
   uint8_t v[STAGES][(D + 8) * BLOCK_N];  // V^T tile: D rows of 128 keys (128-byte swizzle), then ones, zeros
   float k_scale[STAGES][BLOCK_N];      // each key's scale, staged by the producer
-  // SAGE_SM90_O_FLUSH: each consumer thread's fp32 part of O, as D / 8 float4 per thread (thread-major
-  // within each float4 index, so a warp's vector accesses are contiguous).
-  float4 o_part[SAGE_SM90_O_FLUSH ? CONSUMERS * (D / 8) * 128 : 1];
   uint64_t full_q;
   uint64_t full_k[STAGES];             // K tile (TMA) and its scales (32 producer lanes)
   uint64_t full_v[STAGES];
@@ -588,31 +579,6 @@ __device__ __forceinline__ void consume(Smem<D, STAGES>& sm, const Params& p, in
   for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
   float m_0 = NEG_INF, m_1 = NEG_INF, l_0 = 0.f, l_1 = 0.f;
   int skipped = 0;
-  // SAGE_SM90_O_FLUSH: O = o_part * beta + o, with o the tensor cores' sum since the last flush and beta
-  // the rescale o_part owes since then (applied at the next flush instead of every time a row max moves).
-  constexpr int FLUSH_EVERY = SAGE_SM90_O_FLUSH > 0 ? SAGE_SM90_O_FLUSH : 1;
-  float beta0 = 1.f, beta1 = 1.f;
-  float4* const o_part = sm.o_part + (SAGE_SM90_O_FLUSH ? consumer * (D / 8) * 128 + tid : 0);
-  if constexpr (SAGE_SM90_O_FLUSH > 0) {
-#pragma unroll
-    for (int j = 0; j < D / 8; ++j) o_part[128 * j] = make_float4(0.f, 0.f, 0.f, 0.f);
-  }
-  // o_part = o_part * beta + o, and o restarts from zero; or (at the end) O into o.
-  auto fold_o = [&](bool into_registers) {
-#pragma unroll
-    for (int j = 0; j < D / 8; ++j) {  // o[4j], o[4j + 1]: row g; o[4j + 2], o[4j + 3]: row g + 8
-      float4 x = o_part[128 * j];
-      x = make_float4(fmaf(x.x, beta0, o[4 * j]), fmaf(x.y, beta0, o[4 * j + 1]), fmaf(x.z, beta1, o[4 * j + 2]),
-                      fmaf(x.w, beta1, o[4 * j + 3]));
-      if (into_registers) {
-        o[4 * j] = x.x, o[4 * j + 1] = x.y, o[4 * j + 2] = x.z, o[4 * j + 3] = x.w;
-      } else {
-        o_part[128 * j] = x;
-        o[4 * j] = o[4 * j + 1] = o[4 * j + 2] = o[4 * j + 3] = 0.f;
-      }
-    }
-    beta0 = beta1 = 1.f;
-  };
   int32_t acc[64];
   uint32_t pa[4][4];  // P of the tile being made
 
@@ -642,10 +608,6 @@ __device__ __forceinline__ void consume(Smem<D, STAGES>& sm, const Params& p, in
 #pragma unroll
       for (int i = 0; i < D / 2; ++i) o[i] *= (i % 4) < 2 ? alpha0 : alpha1;
     }
-    if constexpr (SAGE_SM90_O_FLUSH > 0) {
-      beta0 *= alpha0;
-      beta1 *= alpha1;
-    }
   };
 
   if constexpr (OVERLAP) {
@@ -674,7 +636,6 @@ __device__ __forceinline__ void consume(Smem<D, STAGES>& sm, const Params& p, in
         l_0 += sums[0];
         l_1 += sums[2];
       }
-      if (SAGE_SM90_O_FLUSH > 0 && n > 0 && n % FLUSH_EVERY == 0) fold_o(false);  // o holds tiles up to n - 1
       if (n > 0) {
         __syncwarp();
         if (lane == 0) mbar_arrive(&sm.empty[(n - 1) % STAGES]);
@@ -756,7 +717,6 @@ __device__ __forceinline__ void consume(Smem<D, STAGES>& sm, const Params& p, in
         l_0 = fmaf(l_0, alpha0, sums[0]);
         l_1 = fmaf(l_1, alpha1, sums[2]);
       }
-      if (SAGE_SM90_O_FLUSH > 0 && (n + 1) % FLUSH_EVERY == 0) fold_o(false);
       __syncwarp();
       if (lane == 0) mbar_arrive(&sm.empty[s]);
     }
@@ -764,7 +724,6 @@ __device__ __forceinline__ void consume(Smem<D, STAGES>& sm, const Params& p, in
   if (PINGPONG && consumer == 0) named_sync(my_turn, 256);  // the second consumer's last arrival
 
   // ---- epilogue: O / l * v_scale, rows of this sequence only ----
-  if constexpr (SAGE_SM90_O_FLUSH > 0) fold_o(true);
   l_0 = __shfl_sync(0xffffffff, l_0, lane & ~3);
   l_1 = __shfl_sync(0xffffffff, l_1, lane & ~3);
   const float inv0 = 1.f / (l_0 > 0.f ? l_0 : 1.f), inv1 = 1.f / (l_1 > 0.f ? l_1 : 1.f);
