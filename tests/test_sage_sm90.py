@@ -57,11 +57,12 @@ def test_key_order_is_the_mma_fragment_order():
 
 
 _ROUND_TRIP = """
-import itertools, torch
+import torch
 from diffusers_trtllm.config import QuantConfig
 from diffusers_trtllm.kernels.triton_quant import sage_quantize_triton
 from diffusers_trtllm.layout import PackedLayout
-for lens, k_block, smooth_k in itertools.product([(1,), (37, 70), (16, 90, 5)], (1, 4, 16), (False, True)):
+# (V's layout depends on the lengths only; each K block size and smooth_k still run once, Q and K compared too)
+for lens, k_block, smooth_k in [((1,), 1, False), ((37, 70), 4, True), ((16, 90, 5), 16, False), ((16, 90, 5), 1, True)]:
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
     layout = PackedLayout.from_cu_seqlens(cu, cu, max(lens), max(lens), q_tokens=sum(lens), kv_tokens=sum(lens))
     gen = torch.Generator().manual_seed(sum(lens))
@@ -70,6 +71,7 @@ for lens, k_block, smooth_k in itertools.product([(1,), (37, 70), (16, 90, 5)], 
     natural = sage_quantize_triton(q, k, v, layout, quant)
     permuted = sage_quantize_triton(q, k, v, layout, quant, mma_key_order=True)
     assert torch.equal(natural.v(layout), permuted.v(layout)), (lens, k_block)
+    assert torch.equal(natural.q.float(), permuted.q.float()) and torch.equal(natural.k.float(), permuted.k.float())
     # The gaps between sequences are zero in both (the kernel's last tile reads them with P = 0).
     assert torch.equal(natural.vt.abs().sum(), permuted.vt.abs().sum()), (lens, k_block)
 print("ok")
@@ -78,7 +80,7 @@ print("ok")
 
 def test_quantized_v_reads_back_the_same_in_either_key_order():
     """Under Triton's interpreter (set before triton is imported, so in a child process): V^T in the kernel's
-    key order holds the same values as in natural order, ragged batches and every K block size included."""
+    key order holds the same values as in natural order (Q and K unchanged by it), over ragged batches."""
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, "-c", _ROUND_TRIP], env=env, capture_output=True, text=True, timeout=300)
