@@ -4,6 +4,9 @@
     DIFFUSERS_TRTLLM_CACHE=.cubin-cache python3 benchmarks/bench_sage_sm90.py --builds default,serial --build-only
         (on any machine with nvcc: the cubins a GPU session then carries instead of compiling)
 
+``--quants k16,k128-smooth`` runs the kernel's rows per SAGE setting (``QUANTS``: K blocks of 16 or 128 keys,
+with or without ``smooth_k``); rows of settings other than ``k16`` carry the setting's name after the build's.
+
 Whole calls (quantization included), structured inputs (locality 0.5 unless ``--locality``), median CUDA-event time; speed is a
 ratio to cuDNN SDPA timed in the same run on the same inputs; rel-L1 / cosine against fp32 dense attention
 on a subset of heads. The skip rows use the threshold at which the reference skips the target fraction of
@@ -13,6 +16,7 @@ this kernel's 64 x 128 tiles (``tile_criticals`` on the same heads).
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.metadata
 import json
 import os
@@ -46,14 +50,27 @@ BUILDS = {
     "nopingpong": ("SAGE_SM90_PINGPONG=0",),
     "2stages": ("SAGE_SM90_STAGES=2",),
     "mufu-only": ("SAGE_SM90_SOFT_EXP=0",),
+    "softexp2": ("SAGE_SM90_SOFT_EXP=2",),
     "softexp6": ("SAGE_SM90_SOFT_EXP=6",),
     "softexp8": ("SAGE_SM90_SOFT_EXP=8",),
 }
 
 
-def run_shape(shape, builds, targets, iters, locality) -> list[dict]:
+#: SAGE settings the kernel's rows run with, by name ("k16" rows carry no suffix).
+QUANTS = {
+    "k16": QuantConfig("int8", 1, 16),
+    "k16-smooth": QuantConfig("int8", 1, 16, smooth_k=True),
+    "k128": QuantConfig("int8", 1, 128),
+    "k128-smooth": QuantConfig("int8", 1, 128, smooth_k=True),
+}
+
+
+def run_shape(shape, builds, quants, targets, iters, locality, v_mean) -> list[dict]:
     dev = torch.device("cuda")
     q, k, v = (x[0].contiguous() for x in structured_qkv(shape, locality, device=dev))
+    if v_mean:  # a per-(head, channel) mean under V's unit noise, as a model's values have
+        offset = torch.randn(shape.heads, shape.head_dim, device=dev, generator=torch.Generator(dev).manual_seed(1))
+        v = (v.float() + v_mean * offset).to(v.dtype)
     layout = PackedLayout.dense(1, q.shape[0], k.shape[0], dev)
     scale = shape.head_dim**-0.5
     heads = heads_subset(shape.heads, 4)
@@ -83,19 +100,20 @@ def run_shape(shape, builds, targets, iters, locality) -> list[dict]:
     for target, factor in factors.items():
         impls[f"triton-int8+skip{int(target * 100)}"] = lambda f=factor: triton_attention(
             q, k, v, layout, softmax_scale=scale, quant=quant, skip_factor=f).out
-    for name, defines in builds.items():
-        for label, factor in [("", None), ("+skip0", 0.0), *((f"+skip{int(t * 100)}", f) for t, f in factors.items())]:
-            impls[f"sage-sm90[{name}]{label}"] = lambda d=defines, f=factor: sage_sm90_attention(
-                q, k, v, layout, softmax_scale=scale, quant=quant, skip_factor=f, defines=d).out
-    # Where a whole call's time goes (default build): the quantizer alone, the kernel alone on its output.
-    quantized = sage_sm90_quantize(q, k, v, layout, quant)
+    def quantize_only(qc: QuantConfig) -> None:  # (a row without an attention output)
+        sage_sm90_quantize(q, k, v, layout, qc)
 
-    def quantizer_only():
-        sage_sm90_quantize(q, k, v, layout, quant)
-
-    impls["sage-sm90 quantizer only"] = quantizer_only
-    impls["sage-sm90[default] kernel only"] = lambda: sage_sm90_attention(
-        q, k, v, layout, softmax_scale=scale, quant=quant, quantized=quantized).out
+    for qname, qc in quants.items():
+        tag = "" if qname == "k16" else f"/{qname}"
+        for name, defines in builds.items():
+            for label, factor in [("", None), ("+skip0", 0.0), *((f"+skip{int(t * 100)}", f) for t, f in factors.items())]:
+                impls[f"sage-sm90[{name}{tag}]{label}"] = lambda d=defines, f=factor, qc=qc: sage_sm90_attention(
+                    q, k, v, layout, softmax_scale=scale, quant=qc, skip_factor=f, defines=d).out
+        # Where a whole call's time goes (default build): the quantizer alone, the kernel alone on its output.
+        quantized = sage_sm90_quantize(q, k, v, layout, qc)
+        impls[f"sage-sm90{tag} quantizer only"] = functools.partial(quantize_only, qc)
+        impls[f"sage-sm90[default{tag}] kernel only"] = lambda qc=qc, st=quantized: sage_sm90_attention(
+            q, k, v, layout, softmax_scale=scale, quant=qc, quantized=st).out
     rows, base = [], None
     for name, fn in impls.items():
         try:
@@ -139,7 +157,8 @@ def markdown(result: dict) -> str:
     """The sweep as a Markdown table, with the environment and command that produced it."""
     env = result["environment"]
     lines = [f"GPU {env['gpu']}, torch {env['torch']}, CUDA {env['cuda']}, cuDNN {env['cudnn']}, "
-             f"SageAttention {env.get('sageattention', 'not recorded')}, input locality {env.get('locality', 0.5)}; "
+             f"SageAttention {env.get('sageattention', 'not recorded')}, input locality {env.get('locality', 0.5)}, "
+             f"V mean {env.get('v_mean', 0.0)}; "
              f"`{result['command']}`", "",
              "`host ms`: CPU time to enqueue one call (measured on calls under 5 ms); a call cannot run faster.", "",
              "| shape | implementation | ms | vs cuDNN | rel-L1 | cosine | host ms |", "|---|---|---:|---:|---:|---:|---:|"]
@@ -161,11 +180,15 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="wan_14b_480p,wan_14b_720p,flux_1024")
     p.add_argument("--builds", default=",".join(BUILDS))
+    p.add_argument("--quants", default="k16", help=f"SAGE settings of the kernel's rows: {', '.join(QUANTS)}")
     p.add_argument("--target-skips", default="0.5")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--locality", type=float, default=0.5,
                    help="inputs' local structure (0: diffuse attention over every key, where error that grows with "
                         "the number of tiles shows most)")
+    p.add_argument("--v-mean", type=float, default=0.0,
+                   help="std of a per-channel mean added to V (0: zero-mean V; a model's values have one, which "
+                        "the fp8 accumulator of P.V is sensitive to)")
     p.add_argument("--out", default=None, help="JSON results file; a Markdown table is written beside it")
     p.add_argument("--build-only", action="store_true",
                    help="compile the builds' cubins into the cache ($DIFFUSERS_TRTLLM_CACHE) and stop: no GPU needed, "
@@ -176,6 +199,10 @@ def main() -> None:
     if unknown:
         p.error(f"unknown builds {unknown}; known: {', '.join(BUILDS)}")
     builds = {b: BUILDS[b] for b in args.builds.split(",") if b}
+    unknown = [x for x in args.quants.split(",") if x and x not in QUANTS]
+    if unknown:
+        p.error(f"unknown quants {unknown}; known: {', '.join(QUANTS)}")
+    quants = {x: QUANTS[x] for x in args.quants.split(",") if x}
     if args.build_only:  # nvcc is single-threaded: one build per core
         with ThreadPoolExecutor(max_workers=args.jobs) as pool:
             cubins = pool.map(sage_sm90_cubin, builds.values())
@@ -185,10 +212,11 @@ def main() -> None:
     targets = [float(x) for x in args.target_skips.split(",") if x]
     rows = []
     for shape in parse_shapes(args.shapes):
-        rows += run_shape(shape, builds, targets, args.iters, args.locality)
+        rows += run_shape(shape, builds, quants, targets, args.iters, args.locality, args.v_mean)
         torch.cuda.empty_cache()
     if args.out:
-        write_result(args.out, "bench_sage_sm90.py", environment(locality=args.locality), rows, markdown)
+        write_result(args.out, "bench_sage_sm90.py", environment(locality=args.locality, v_mean=args.v_mean), rows,
+                     markdown)
 
 
 def environment(**extra) -> dict:

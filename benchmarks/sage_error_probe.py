@@ -36,6 +36,8 @@ SETTINGS = {
     "int8 (q 1, k 16) + smooth_k": QuantConfig("int8", 1, 16, smooth_k=True),
     "int8 (q 1, k 4)": QuantConfig("int8", 1, 4),
     "int8 (q 1, k 4) + smooth_k": QuantConfig("int8", 1, 4, smooth_k=True),
+    "int8 (q 1, k 128)": QuantConfig("int8", 1, 128),
+    "int8 (q 1, k 128) + smooth_k": QuantConfig("int8", 1, 128, smooth_k=True),
     "fp8 (q 1, k 16)": QuantConfig("fp8_e4m3", 1, 16),
     "fp8 (q 1, k 16) + smooth_k": QuantConfig("fp8_e4m3", 1, 16, smooth_k=True),
 }
@@ -124,9 +126,9 @@ def kernels(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> 
 
     runs = {"fa3 dense bf16": lambda: ours("fa3", None),
             "fmha-v2-fp8": lambda: ours("fmha-v2-fp8", QuantConfig("fp8_e4m3"))}
-    runs.update({f"{backend} int8{' + smooth_k' if smooth else ''}": (lambda b=backend, s=smooth: ours(
-                b, QuantConfig("int8", 1, 16, smooth_k=s)))
-                for backend in ("sage-sm90", "triton") for smooth in (False, True)})
+    runs.update({f"{backend} int8 k{kb}{' + smooth_k' if smooth else ''}": (lambda b=backend, kb=kb, s=smooth: ours(
+                b, QuantConfig("int8", 1, kb, smooth_k=s)))
+                for backend, kbs in (("sage-sm90", (16, 128)), ("triton", (16,))) for kb in kbs for smooth in (False, True)})
     try:
         import sageattention
     except ImportError as err:

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
-    "SkipSoftmaxConfig", "QuantConfig", "QK_QUANT_DTYPES", "BLOCK_SIZES", "ControlTypeError", "unknown_keys_message",
+    "SkipSoftmaxConfig", "QuantConfig", "QK_QUANT_DTYPES", "BLOCK_SIZES", "K_BLOCK_SIZES", "ControlTypeError", "unknown_keys_message",
     "POLICIES", "ROUTE_NAMES", "CPU_ROUTES", "GROUP_BY", "check_fit_range",
 ]
 
@@ -76,8 +76,11 @@ QK_QUANT_DTYPES: dict[str, str] = {
 }
 #: Aliases a user may write for ``dtype_qk``.
 _DTYPE_ALIASES = {"fp8": "fp8_e4m3", "e4m3": "fp8_e4m3", "float8_e4m3fn": "fp8_e4m3"}
-#: Token block sizes a SAGE scale may cover.
+#: Token block sizes a SAGE scale may cover (FlashInfer's SAGE layout).
 BLOCK_SIZES = (1, 4, 16)
+#: K block sizes: FlashInfer's, and 128, one scale per KV tile of the project's own kernels (FlashInfer's
+#: kernels do not take it); on sage-sm90 a thread's whole row of a tile then shares one K scale.
+K_BLOCK_SIZES = (*BLOCK_SIZES, 128)
 
 
 def _dtype_name(dtype_qk: Any) -> str:
@@ -261,10 +264,10 @@ class QuantConfig:
     def __post_init__(self) -> None:
         if self.dtype_qk is not None:
             object.__setattr__(self, "dtype_qk", _dtype_name(self.dtype_qk))
-        for field in ("q_block_size", "k_block_size"):
+        for field, sizes in (("q_block_size", BLOCK_SIZES), ("k_block_size", K_BLOCK_SIZES)):
             value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int) or value not in BLOCK_SIZES:
-                raise ValueError(f"quant.{field} must be one of {BLOCK_SIZES}; got {value!r}.")
+            if isinstance(value, bool) or not isinstance(value, int) or value not in sizes:
+                raise ValueError(f"quant.{field} must be one of {sizes}; got {value!r}.")
         if not isinstance(self.smooth_k, bool):
             raise ValueError(f"quant.smooth_k must be True or False; got {self.smooth_k!r}.")
 

@@ -68,6 +68,7 @@ def test_from_kwargs_uses_vllm_omni_names():
         ({"dtype_qk": "int8", "q_block_size": 8}, "q_block_size"),
         ({"dtype_qk": "int8", "k_block_size": 32}, "k_block_size"),
         ({"dtype_qk": "int8", "k_block_size": True}, "k_block_size"),
+        ({"dtype_qk": "int8", "q_block_size": 128}, r"q_block_size must be one of \(1, 4, 16\)"),
         ({"dtype_qk": "int8", "smooth_k": "yes"}, "smooth_k"),
         ({"dtype_qk": "int8", "block": 4}, "unknown keys"),
     ],

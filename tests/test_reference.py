@@ -118,7 +118,7 @@ def test_block_ids_follow_flashinfer_layout():
 
 
 @pytest.mark.parametrize("dtype_qk", ["int8", "fp8_e4m3"])
-@pytest.mark.parametrize("q_block, k_block", [(1, 16), (4, 4), (16, 1)])
+@pytest.mark.parametrize("q_block, k_block", [(1, 16), (4, 4), (16, 1), (1, 128)])
 def test_sage_quantize_layout(dtype_qk, q_block, k_block):
     lens = (37, 50)
     q, k, v, cu_q, cu_kv = _packed(lens, lens, dtype=torch.float16)

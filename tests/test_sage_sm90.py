@@ -33,7 +33,7 @@ def _c_struct_fields(name: str) -> list[str]:
 
 def test_params_match_the_cuda_struct_field_for_field():
     assert [f[0] for f in sage_sm90._Params._fields_] == _c_struct_fields("Params")
-    assert ctypes.sizeof(sage_sm90._Params) == 112
+    assert ctypes.sizeof(sage_sm90._Params) == 120
 
 
 def test_every_entry_point_the_host_names_is_defined():
@@ -62,7 +62,8 @@ from diffusers_trtllm.config import QuantConfig
 from diffusers_trtllm.kernels.triton_quant import sage_quantize_triton
 from diffusers_trtllm.layout import PackedLayout
 # (V's layout depends on the lengths only; each K block size and smooth_k still run once, Q and K compared too)
-for lens, k_block, smooth_k in [((1,), 1, False), ((37, 70), 4, True), ((16, 90, 5), 16, False), ((16, 90, 5), 1, True)]:
+for lens, k_block, smooth_k in [((1,), 1, False), ((37, 70), 4, True), ((16, 90, 5), 16, False), ((16, 90, 5), 1, True),
+                               ((130, 70), 128, True)]:
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
     layout = PackedLayout.from_cu_seqlens(cu, cu, max(lens), max(lens), q_tokens=sum(lens), kv_tokens=sum(lens))
     gen = torch.Generator().manual_seed(sum(lens))

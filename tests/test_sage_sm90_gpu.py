@@ -11,8 +11,8 @@ import torch
 
 from conftest import rel_l1, requires_cuda
 from diffusers_trtllm.config import QuantConfig
-from test_triton_attn_gpu import (MAGNITUDES, NONFINITE, ROUTES, _inputs, _reference, check_extreme_magnitudes,
-                                  check_nonfinite_propagation, check_tile_counts)
+from test_triton_attn_gpu import (MAGNITUDES, NONFINITE, ROUTES, _inputs, _reference, check_coherent_values,
+                                  check_extreme_magnitudes, check_nonfinite_propagation, check_tile_counts)
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
 
@@ -40,7 +40,7 @@ def _attention(*args, **kw):
 @pytest.mark.parametrize("build", list(BUILDS))
 @pytest.mark.parametrize("skip", [None, 0.02])
 @pytest.mark.parametrize("dim,kv_heads,blocks", [(128, 4, (1, 16)), (64, 8, (1, 16)), (128, 2, (4, 4)),
-                                                 (128, 8, (16, 1))])
+                                                 (128, 8, (16, 1)), (128, 4, (1, 128)), (64, 8, (4, 128))])
 def test_int8_sage_matches_reference(dim, kv_heads, blocks, skip, build):
     q, k, v, layout = _inputs(dim, kv_heads=kv_heads)
     quant = QuantConfig("int8", *blocks)
@@ -53,12 +53,18 @@ def test_int8_sage_matches_reference(dim, kv_heads, blocks, skip, build):
     assert rel_l1(res.out, _reference(q, k, v, layout).out) < 0.06
 
 
-def test_fp16_and_smooth_k():
+@pytest.mark.parametrize("k_block", [16, 128])
+def test_fp16_and_smooth_k(k_block):
     q, k, v, layout = (x.half() if torch.is_tensor(x) else x for x in _inputs(128, kv_heads=4))
-    quant = QuantConfig("int8", 1, 16, smooth_k=True)
+    quant = QuantConfig("int8", 1, k_block, smooth_k=True)
     res = _attention(q, k, v, layout, softmax_scale=128**-0.5, quant=quant)
     assert res.out.dtype == torch.float16
     assert rel_l1(res.out, _reference(q, k, v, layout, quant=quant, tile_q=64, tile_kv=128).out) < 1.5e-2
+
+
+@pytest.mark.parametrize("k_block", [16, 128])
+def test_coherent_values_over_long_keys(k_block):
+    check_coherent_values(_attention, k_block)
 
 
 def test_zero_skip_factor_skips_nothing():

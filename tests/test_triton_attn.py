@@ -57,12 +57,13 @@ def _check_quantize(dtype_qk, q_block, k_block, smooth_k, lens_q=LENS_Q, lens_kv
     v = torch.randn(sum(lens_kv), 2, 64, generator=gen).half()
     quant = QuantConfig(dtype_qk, q_block, k_block, smooth_k)
     got = sage_quantize_triton(q, k, v, layout, quant, mma_key_order=mma_key_order)
-    ref = sage_quantize(q, k, v, layout.cu_seqlens_q, layout.cu_seqlens_kv, layout.q_lens, layout.kv_lens, quant)
+    ref = sage_quantize(q, k, v, layout.cu_seqlens_q, layout.cu_seqlens_kv, layout.q_lens, layout.kv_lens, quant,
+                        smooth_v=True)
     q_used = block_ids(layout.cu_seqlens_q, layout.q_lens, q_block)[0].unique()
     k_used = block_ids(layout.cu_seqlens_kv, layout.kv_lens, k_block)[0].unique()
     assert torch.equal(got.q_scale[:, q_used], ref.q_scale[:, q_used])
     assert torch.equal(got.k_scale[:, k_used], ref.k_scale[:, k_used])
-    assert torch.equal(got.v_scale, ref.v_scale)
+    assert torch.equal(got.v_scale, ref.v_scale) and torch.equal(got.v_mean, ref.v_mean)
     for name, a, b in (("q", got.q, ref.q), ("k", got.k, ref.k), ("v", got.v(layout), ref.v)):
         assert torch.equal(a.float(), b.float()), f"{name}: {(a.float() != b.float()).sum()} values differ"
     # Columns between sequences of the transposed V are zeros (read by the masked last KV tile).
@@ -86,24 +87,14 @@ def _check_quantize_properties():
               suppress_health_check=[HealthCheck.too_slow])
     @example([5, 0, 130], (1, 16), False, True)  # a sequence shorter than a K block, an empty one
     @example([0, 17, 128], (4, 4), True, False)
+    @example([130, 300], (1, 128), True, True)  # 128-key blocks: quantizer tiles of 128 tokens, blocks cut short
     @given(st.lists(st.integers(0, 300), min_size=1, max_size=4).filter(any),
-           st.sampled_from([(1, 16), (4, 4), (16, 1)]), st.booleans(), st.booleans())
+           st.sampled_from([(1, 16), (4, 4), (16, 1), (1, 128)]), st.booleans(), st.booleans())
     def check(lens_kv, blocks, smooth_k, mma_key_order):
         lens_q = tuple(min(n, 40) for n in lens_kv)  # a sequence with no keys has no queries either
         _check_quantize("int8", *blocks, smooth_k, lens_q, tuple(lens_kv), mma_key_order)
 
     check()
-
-
-def _with_v_split(check, *args):
-    """``check`` with the quantizer's ``V_SPLIT`` path (V by token tiles, scales by an atomic max) on."""
-    from diffusers_trtllm.kernels import triton_quant
-
-    triton_quant.V_SPLIT = True
-    try:
-        check(*args)
-    finally:
-        triton_quant.V_SPLIT = False
 
 
 def _check_attention(dtype, dim, kv_heads, dtype_qk, skip):
@@ -123,7 +114,7 @@ def _check_attention(dtype, dim, kv_heads, dtype_qk, skip):
                            **kw)
     ref = reference_attention(
         q, k, v, layout.cu_seqlens_q, layout.cu_seqlens_kv, layout.q_lens, layout.kv_lens,
-        tile_q=TILE, tile_kv=TILE, **kw,
+        tile_q=TILE, tile_kv=TILE, smooth_v=True, **kw,
     )
     # Ring attention's log-sum-exp: natural log, [tokens, heads] float32, skipped tiles excluded.
     assert res.lse is not None and res.lse.shape == ref.lse.shape and res.lse.dtype == torch.float32
@@ -151,7 +142,7 @@ def _run_both(q, k, v, layout, dtype_qk, skip):
     kw = dict(softmax_scale=q.shape[-1] ** -0.5, skip_factor=factor, quant=quant)
     res = triton_attention(q, k, v, layout, collect_stats=True, config=KernelConfig(TILE, TILE, 4, 1), **kw)
     ref = reference_attention(q, k, v, layout.cu_seqlens_q, layout.cu_seqlens_kv, layout.q_lens, layout.kv_lens,
-                              tile_q=TILE, tile_kv=TILE, **kw)
+                              tile_q=TILE, tile_kv=TILE, smooth_v=True, **kw)
     return res, ref
 
 
@@ -230,14 +221,6 @@ CASES = {
     # An empty KV sequence between two others: its gap is zeroed too (the previous one's last tile reads it).
     "quantize-int8-empty-kv-sequence": (_check_quantize, ("int8", 1, 16, False, (37, 0, 70), (45, 0, 100))),
     "quantize-hypothesis-vs-reference": (_check_quantize_properties, ()),
-    # V_SPLIT: the same layout, bit for bit, from V's token tiles
-    "quantize-split-int8-1-16-plain": (_with_v_split, (_check_quantize, "int8", 1, 16, False)),
-    "quantize-split-fp8-4-4-smooth-gpu-order": (_with_v_split, (_check_quantize, "fp8_e4m3", 4, 4, True, LENS_Q, LENS_KV,
-                                                                True)),
-    "quantize-split-empty-kv-sequence": (_with_v_split, (_check_quantize, "int8", 1, 16, False, (37, 0, 70),
-                                                         (45, 0, 100))),
-    "quantize-split-hypothesis-vs-reference": (_with_v_split, (_check_quantize_properties,)),
-    "nonfinite-split-int8-noskip-v-nan": (_with_v_split, (_check_nonfinite, "int8", None, "v", math.nan)),
     "dense-fp32-d64-gqa": (_check_attention, (torch.float32, 64, 2, None, None)),
     "dense-fp16-d128": (_check_attention, (torch.float16, 128, 4, None, None)),
     "dense-fp16-d64-skip": (_check_attention, (torch.float16, 64, 4, None, 0.05)),
@@ -327,10 +310,9 @@ def test_rejects_unsupported_head_dim():
         triton_attention(q, q, q, _layout((8,), (8,)), softmax_scale=0.1)
 
 
-@pytest.mark.parametrize("sm,dtype_qk,mma_key_order,smooth_k,v_split", [
-    (90, "int8", True, False, False), (90, "fp8_e4m3", False, True, False), (80, "int8", False, False, False),
-    (90, "int8", True, False, True)])
-def test_quantizer_compiles_for_the_gpu(sm, dtype_qk, mma_key_order, smooth_k, v_split):
+@pytest.mark.parametrize("sm,dtype_qk,mma_key_order,smooth_k", [
+    (90, "int8", True, False), (90, "fp8_e4m3", False, True), (80, "int8", False, False)])
+def test_quantizer_compiles_for_the_gpu(sm, dtype_qk, mma_key_order, smooth_k):
     """The one-launch quantizer through Triton's whole GPU pipeline (to PTX and cubin) without a GPU: the
     interpreter above checks its values, not that its layouts (the V programs' [V_CHANNELS x V_BLOCK_T] fp8 transpose
     and masked stores) lower for a real target. SM80 has no fp8: V is kept in fp16 there."""
@@ -346,18 +328,13 @@ def test_quantizer_compiles_for_the_gpu(sm, dtype_qk, mma_key_order, smooth_k, v
     qk = torch.int8 if dtype_qk == "int8" else torch.float8_e4m3fn
     bf16, f32, i32 = (torch.empty(16, dtype=t) for t in (torch.bfloat16, torch.float32, torch.int32))
     quantized, vt = torch.empty(16, dtype=qk), torch.empty(16, dtype=torch.float8_e4m3fn if native else torch.float16)
-    v_scale = i32 if v_split else f32  # V_SPLIT folds V's amax into int32 bits
-    runtime = (bf16, bf16, bf16, quantized, quantized, vt, f32, f32, v_scale, f32, i32, i32,
+    runtime = (bf16, bf16, bf16, quantized, quantized, vt, f32, f32, f32, f32, f32, i32, i32,
                7, 7, 4, 4, 512, 300, 2, 10, 512, 128, 256, 128, 256, 128)
     constexprs = dict(H=4, HKV=2, D=128, BLOCK_T=triton_quant.QUANT_BLOCK_T, Q_BS=1, K_BS=16,
                       QMAX=127 if dtype_qk == "int8" else 448, IS_INT8=dtype_qk == "int8", SMOOTH_K=smooth_k,
                       NATIVE=native, MMA_KEY_ORDER=mma_key_order, V_CH=triton_quant.V_CHANNELS,
-                      V_BLOCK=triton_quant.V_BLOCK_T, V_SPLIT=v_split)
-    kernels = [(triton_quant._sage_quant_kernel, runtime, constexprs)]
-    if v_split:
-        kernels.append((triton_quant._quantize_v_tiles_kernel, (bf16, vt, f32, i32, i32, 512, 256, 128),
-                        dict(D=128, BLOCK_T=triton_quant.QUANT_BLOCK_T, NATIVE=native, MMA_KEY_ORDER=mma_key_order)))
-    for kernel, args, consts in kernels:
+                      V_BLOCK=triton_quant.V_BLOCK_T)
+    for kernel, args, consts in [(triton_quant._sage_quant_kernel, runtime, constexprs)]:
         signature = {name: mangle_type(arg) for name, arg in zip(kernel.arg_names, args)}
         signature.update({name: "constexpr" for name in consts})
         try:
@@ -368,8 +345,6 @@ def test_quantizer_compiles_for_the_gpu(sm, dtype_qk, mma_key_order, smooth_k, v
                 pytest.skip(f"this Triton cannot compile for CUDA: {exc}")
             raise
         assert compiled.asm["cubin"] and "st.global" in compiled.asm["ptx"]
-        if v_split and kernel is triton_quant._sage_quant_kernel:
-            assert "atom.global" in compiled.asm["ptx"] or "red.global" in compiled.asm["ptx"]
 
 
 if __name__ == "__main__":

@@ -257,6 +257,8 @@ def test_reasons_for_sage_support(monkeypatch, fake):
     monkeypatch.setattr(trtllm_gen, "device_sm", lambda device: 103)
     assert "int8 SAGE needs SM in [100]" in route.not_supported_reasons(_call(quant=int8))[0]
     assert route.not_supported_reasons(_call(quant=QuantConfig("fp8_e4m3"))) == []
+    assert route.not_supported_reasons(_call(quant=QuantConfig("fp8_e4m3", 1, 128))) == [
+        "FlashInfer's SAGE kernels take k_block_size in (1, 4, 16), not 128"]
     old_build = SimpleNamespace(prefill=SimpleNamespace(trtllm_ragged_attention_deepseek=lambda query, key: None))
     monkeypatch.setattr(flashinfer_support, "flashinfer_or_none", lambda: old_build)
     assert "no SAGE kernels" in route.not_supported_reasons(_call(quant=QuantConfig("fp8_e4m3")))[0]

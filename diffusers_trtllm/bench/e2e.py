@@ -61,6 +61,8 @@ class ProcessorSetting:
     quant: str | None = None
     #: SAGE's ``smooth_k`` (K's per-channel mean subtracted before quantizing, as SageAttention2 does).
     smooth_k: bool = False
+    #: SAGE's ``k_block_size`` (None: the library's default).
+    k_block: int | None = None
     skip: bool = False
     stock: bool = False
     #: The processor's ``policy``: "always" shows what a request gives where "auto" declines it.
@@ -75,7 +77,12 @@ class ProcessorSetting:
     def processor_kwargs(self, threshold: float, backend: str) -> dict[str, Any]:
         kwargs: dict[str, Any] = {"backend": backend, "policy": self.policy}
         if self.quant:
-            kwargs["quant"] = {"dtype_qk": self.quant, "smooth_k": True} if self.smooth_k else {"dtype_qk": self.quant}
+            quant: dict[str, Any] = {"dtype_qk": self.quant}
+            if self.smooth_k:
+                quant["smooth_k"] = True
+            if self.k_block is not None:
+                quant["k_block_size"] = self.k_block
+            kwargs["quant"] = quant
         if self.target_sparsity is not None:
             kwargs.update(target_sparsity=self.target_sparsity, disabled_until_timestep=0.0)
         elif self.skip:
@@ -92,6 +99,8 @@ SETTINGS: dict[str, ProcessorSetting] = {
         ProcessorSetting("sage-int8", quant="int8"),
         ProcessorSetting("sage-int8-always", quant="int8", policy="always"),
         ProcessorSetting("sage-int8-smooth", quant="int8", smooth_k=True),
+        ProcessorSetting("sage-int8-k128", quant="int8", k_block=128),
+        ProcessorSetting("sage-int8-k128-smooth", quant="int8", k_block=128, smooth_k=True),
         ProcessorSetting("sage-fp8", quant="fp8_e4m3"),
         ProcessorSetting("skip", skip=True),
         ProcessorSetting("skip-always", skip=True, policy="always"),

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .reference import AMAX_FLOOR, FP8_MAX
+from .reference import AMAX_FLOOR, FP8_MAX, channel_mean
 
 __all__ = ["Fp8TensorQuant", "quantize_fp8_per_tensor", "restore_output", "restore_lse"]
 
@@ -52,8 +52,8 @@ def _to_fp8(x: torch.Tensor) -> torch.Tensor:
 
 def quantize_fp8_per_tensor(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Fp8TensorQuant:
     """Quantize packed ``[tokens, heads, dim]`` Q, K, V; one fused Triton pass on CUDA, torch elsewhere."""
-    k_mean = k.mean(dim=0, dtype=torch.float32)
-    v_mean = v.mean(dim=0, dtype=torch.float32)
+    k_mean = channel_mean(k)
+    v_mean = channel_mean(v)
     v_scale = _centered_amax(v, v_mean).clamp_min(AMAX_FLOOR) / FP8_MAX  # [kv_heads, dim]
     q_lo, q_hi = torch.aminmax(q)
     amax = torch.stack([torch.maximum(-q_lo.float(), q_hi.float()), _centered_amax(k, k_mean).max()])

@@ -105,6 +105,7 @@ if gluon is not None:
     _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
     _LOG2_P_SCALE = gl.constexpr(math.log2(448.0))
     _NEG_INF = gl.constexpr(float("-inf"))
+    _FP16_MAX = gl.constexpr(65504.0)  # SAGE outputs are clamped to it (NaN kept) before an fp16 store
 
     @gluon.jit
     def _maximum_nan(a, b):
@@ -310,7 +311,7 @@ if gluon is not None:
         return acc, l_i, m_i, n_skipped
 
     @gluon.jit
-    def _consumer(desc_q, out_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, stats_ptr, q_bufs, q_bars,
+    def _consumer(desc_q, out_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, v_mean_ptr, stats_ptr, q_bufs, q_bars,
                   k_bufs, v_bufs, k_ready, v_ready, empty, q_start, q_len, cta_m0, kv_len, head, kv_head,
                   n_q_blocks, n_k_blocks, kv_start, seq, qk_scale, skip_factor, stride_ot, stride_oh,
                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
@@ -374,7 +375,11 @@ if gluon is not None:
         o = acc / gl.expand_dims(gl.where(l_o > 0.0, l_o, 1.0), 1)
         dims = gl.arange(0, HEAD_DIM, layout=o_cols)
         if QUANT != 0:
-            o = o * gl.expand_dims(gl.load(v_scale_ptr + kv_head * HEAD_DIM + dims), 0)
+            vc = kv_head * HEAD_DIM + dims  # V's scales, then its mean (smooth_v) back
+            o = o * gl.expand_dims(gl.load(v_scale_ptr + vc), 0) + gl.expand_dims(gl.load(v_mean_ptr + vc), 0)
+            if out_ptr.dtype.element_ty == gl.float16:  # fp8's rounding of V less its mean may overshoot
+                o = gl.minimum(gl.maximum(o, -_FP16_MAX, propagate_nan=tl.PropagateNan.ALL), _FP16_MAX,
+                               propagate_nan=tl.PropagateNan.ALL)
         out_rows = m0 + gl.arange(0, BLOCK_M, layout=o_rows)
         tok = (q_start + out_rows).to(gl.int64)
         ptrs = out_ptr + gl.expand_dims(tok * stride_ot + head * stride_oh, 1) + gl.expand_dims(dims, 0)
@@ -385,7 +390,7 @@ if gluon is not None:
 
     @gluon.jit
     def _attn_fwd(
-        desc_q, desc_k, desc_v, out_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, stats_ptr,
+        desc_q, desc_k, desc_v, out_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, v_mean_ptr, stats_ptr,
         cu_q_ptr, cu_kv_ptr, qk_scale, skip_factor, n_q_blocks, n_k_blocks, stride_ot, stride_oh,
         H: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         STAGES: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
@@ -422,11 +427,11 @@ if gluon is not None:
         # (argument tuples are written inline: a tuple bound to a name turns its constexprs into tensors)
         if CONSUMERS == 2:
             gl.warp_specialize([
-                (_consumer, (desc_q, out_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, stats_ptr, q_smem, q_bar,
+                (_consumer, (desc_q, out_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, v_mean_ptr, stats_ptr, q_smem, q_bar,
                                k_bufs, v_bufs, k_ready, v_ready, empty, q_start, q_len, cta_m0, kv_len, head, kv_head,
                                n_q_blocks, n_k_blocks, kv_start, seq, qk_scale, skip_factor, stride_ot, stride_oh,
                                HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QUANT, Q_BS, K_BS, SKIP, STATS, SCHEDULE, 0)),
-                (_consumer, (desc_q, out_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, stats_ptr, q_smem, q_bar,
+                (_consumer, (desc_q, out_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, v_mean_ptr, stats_ptr, q_smem, q_bar,
                                k_bufs, v_bufs, k_ready, v_ready, empty, q_start, q_len, cta_m0, kv_len, head, kv_head,
                                n_q_blocks, n_k_blocks, kv_start, seq, qk_scale, skip_factor, stride_ot, stride_oh,
                                HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QUANT, Q_BS, K_BS, SKIP, STATS, SCHEDULE, 1)),
@@ -435,7 +440,7 @@ if gluon is not None:
             ], [4, 1], [CONSUMER_REGS, 24])
         else:
             gl.warp_specialize([
-                (_consumer, (desc_q, out_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, stats_ptr, q_smem, q_bar,
+                (_consumer, (desc_q, out_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, v_mean_ptr, stats_ptr, q_smem, q_bar,
                                k_bufs, v_bufs, k_ready, v_ready, empty, q_start, q_len, cta_m0, kv_len, head, kv_head,
                                n_q_blocks, n_k_blocks, kv_start, seq, qk_scale, skip_factor, stride_ot, stride_oh,
                                HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, QUANT, Q_BS, K_BS, SKIP, STATS, SCHEDULE, 0)),
@@ -524,7 +529,7 @@ def compile_sm90(variant_name: str, head_dim: int = 128, config: GluonConfig | N
     descs = (_desc(qk, [cfg.block_m, head_dim]), _desc(kv, [cfg.block_n, head_dim]),
              _desc(vt, [head_dim, cfg.block_n]) if quant else _desc(kv, [cfg.block_n, head_dim]))
     out, f32, i32 = (torch.empty(16, dtype=t) for t in (torch.bfloat16, torch.float32, torch.int32))
-    runtime = (*descs, out, f32, f32, f32, i32, i32, i32, 0.1, 0.5, 7, 7, 512, 128)
+    runtime = (*descs, out, f32, f32, f32, f32, i32, i32, i32, 0.1, 0.5, 7, 7, 512, 128)
     constexprs = dict(H=heads, GROUP=heads // kv_heads, HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                       STAGES=cfg.stages, CONSUMERS=cfg.consumers, CONSUMER_REGS=cfg.consumer_regs,
                       QUANT=quant, Q_BS=1, K_BS=16 if quant else 1, SKIP=skip, STATS=skip,

@@ -15,11 +15,13 @@ import torch
 from ..config import QuantConfig
 from ..routing.registry import AttentionCall, AttentionResult, Capabilities, Route, register_route
 
-__all__ = ["ReferenceResult", "ReferenceRoute", "reference_attention", "sage_quantize", "SageTensors", "P_FP8_SCALE"]
+__all__ = ["ReferenceResult", "ReferenceRoute", "reference_attention", "sage_quantize", "SageTensors", "P_FP8_SCALE",
+           "channel_mean"]
 
 #: Floor of a block's amax before it becomes a scale (docs/design.md, SAGE quantization).
 AMAX_FLOOR = 1.0e-3
 FP8_MAX = 448.0
+FP16_MAX = 65504.0
 #: P (in [0, 1]) is multiplied by this before its fp8 cast for the P·V product.
 P_FP8_SCALE = 448.0
 #: Elements of the score tile processed at once (bounds memory at ~256 MiB fp32).
@@ -32,7 +34,8 @@ class SageTensors:
 
     ``q_scale``: ``[heads, n_q_slots]``, ``k_scale``: ``[kv_heads, n_k_slots]``
     (slots as ``block_ids`` numbers them: blocks never straddle two sequences);
-    ``v_scale``: ``[kv_heads, dim]``. ``k`` is smoothed when ``smooth_k`` was set.
+    ``v_scale``: ``[kv_heads, dim]``. ``k`` is smoothed when ``smooth_k`` was set; with ``v_mean``
+    (``[kv_heads, dim]``, ``smooth_v``) ``v`` holds V less that mean, which the output gets back.
     """
 
     q: torch.Tensor
@@ -43,13 +46,20 @@ class SageTensors:
     v_scale: torch.Tensor
     q_block_id: torch.Tensor
     k_block_id: torch.Tensor
+    v_mean: torch.Tensor | None = None
 
     def dequantize(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Back to float32 ``[tokens, heads, dim]``."""
+        """Back to float32 ``[tokens, heads, dim]`` (V without its mean when ``smooth_v``: see ``v_mean``)."""
         q = self.q.float() * self.q_scale.t()[self.q_block_id][:, :, None]
         k = self.k.float() * self.k_scale.t()[self.k_block_id][:, :, None]
         v = self.v.float() * self.v_scale[None]
         return q, k, v
+
+
+def channel_mean(x: torch.Tensor) -> torch.Tensor:
+    """``[heads, dim]`` float32 mean over every packed token: the vector ``smooth_k`` / ``smooth_v`` take off
+    (the kernels' quantizer computes it with this same call, so the two agree bit for bit)."""
+    return x.mean(dim=0, dtype=torch.float32)
 
 
 def block_ids(cu_seqlens: torch.Tensor, lens: tuple[int, ...], block: int) -> tuple[torch.Tensor, int]:
@@ -92,8 +102,14 @@ def sage_quantize(
     q_lens: tuple[int, ...],
     kv_lens: tuple[int, ...],
     quant: QuantConfig,
+    smooth_v: bool = False,
 ) -> SageTensors:
-    """SAGE quantization of packed ``[tokens, heads, dim]`` Q, K, V (docs/design.md, SAGE quantization)."""
+    """SAGE quantization of packed ``[tokens, heads, dim]`` Q, K, V (docs/design.md, SAGE quantization).
+
+    ``smooth_v``: V less its per-(head, channel) mean before fp8, as the project's Hopper kernels quantize
+    it (docs/design.md, "V's mean"); FlashInfer's quantizer does not.
+    """
+    v_mean = channel_mean(v) if smooth_v else None
     k = k.float()
     if quant.smooth_k:
         k = k - k.mean(dim=0, keepdim=True)
@@ -101,12 +117,13 @@ def sage_quantize(
     k_ids, nk = block_ids(cu_seqlens_kv, kv_lens, quant.k_block_size)
     q_q, q_scale = _quantize_blocks(q, q_ids, nq, quant.qk_max, quant.qk_dtype)
     k_q, k_scale = _quantize_blocks(k, k_ids, nk, quant.qk_max, quant.qk_dtype)
-    v_amax = v.float().abs().amax(dim=0).clamp_min(AMAX_FLOOR)  # [heads, dim]
+    v = v.float() if v_mean is None else v.float() - v_mean
+    v_amax = v.abs().amax(dim=0).clamp_min(AMAX_FLOOR)  # [heads, dim]
     # An IEEE quotient, as the kernels compute it: on CUDA torch divides by a Python scalar as a multiply by
     # its reciprocal, which lands one ulp off on about half the channels.
     v_scale = v_amax / torch.full_like(v_amax, FP8_MAX)
-    v_q = (v.float() / v_scale[None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return SageTensors(q_q, k_q, v_q, q_scale, k_scale, v_scale, q_ids, k_ids)
+    v_q = (v / v_scale[None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return SageTensors(q_q, k_q, v_q, q_scale, k_scale, v_scale, q_ids, k_ids, v_mean)
 
 
 @dataclass
@@ -140,6 +157,7 @@ def reference_attention(
     heads: slice | None = None,
     sage: SageTensors | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
+    smooth_v: bool = False,
 ) -> ReferenceResult:
     """Attention over packed ``[tokens, heads, dim]`` tensors, non-causal.
 
@@ -150,11 +168,12 @@ def reference_attention(
     ``heads`` restricts the work to some heads (the benchmark subsamples them).
     ``sage`` takes already quantized tensors instead (``q``/``k``/``v`` are then
     those quantized tensors and the output has ``out_dtype``), to check a kernel's
-    quantizer and attention separately.
+    quantizer and attention separately. ``smooth_v`` quantizes V as the project's Hopper kernels do
+    (``sage_quantize``).
     """
     out_dtype = q.dtype if sage is None else out_dtype
     if sage is None and quant is not None and quant.enabled:
-        sage = sage_quantize(q, k, v, cu_seqlens_q, cu_seqlens_kv, q_lens, kv_lens, quant)
+        sage = sage_quantize(q, k, v, cu_seqlens_q, cu_seqlens_kv, q_lens, kv_lens, quant, smooth_v)
     pv_fp8 = sage is not None
     q, k, v = sage.dequantize() if pv_fp8 else (q.float(), k.float(), v.float())
     group = q.shape[1] // k.shape[1]
@@ -162,6 +181,12 @@ def reference_attention(
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     if heads is not None:
         q, k, v = q[:, heads], k[:, heads], v[:, heads]
+    # Softmax rows sum to 1, so the mean V lost to smooth_v comes back whole on every row that has keys.
+    smoothed_v = sage is not None and sage.v_mean is not None
+    v_mean = 0.0
+    if smoothed_v:
+        v_mean = sage.v_mean.repeat_interleave(group, dim=0)
+        v_mean = v_mean if heads is None else v_mean[heads]
     out = torch.zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=torch.float32, device=q.device)
     lse = torch.full(q.shape[:2], -math.inf, dtype=torch.float32, device=q.device)
     skipped = total = 0
@@ -173,10 +198,12 @@ def reference_attention(
             vs = v[kv0 : kv0 + lkv].transpose(0, 1)
             lam = None if skip_factor is None else skip_factor / lkv
             o, row_lse, s, t = _attend_sequence(qs, ks, vs, softmax_scale, lam, pv_fp8, tile_q, tile_kv)
-            out[q0 : q0 + lq] = o.transpose(0, 1)
+            out[q0 : q0 + lq] = o.transpose(0, 1) + v_mean
             lse[q0 : q0 + lq] = row_lse.transpose(0, 1)
             skipped, total = skipped + s, total + t
         q0, kv0 = q0 + lq, kv0 + lkv
+    if smoothed_v and out_dtype == torch.float16:  # as the kernels store it: fp8's rounding of V less its
+        out = out.clamp(-FP16_MAX, FP16_MAX)  # mean can take an average at fp16's limit past it (NaN stays NaN)
     return ReferenceResult(out.to(out_dtype), skipped, total, lse)
 
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..config import QuantConfig
+from ..config import K_BLOCK_SIZES, QuantConfig
 from ..layout import PackedLayout
 from ..routing.registry import AttentionCall, AttentionResult, Capabilities, Route, device_sm, register_route
 from . import cuda_jit
@@ -42,7 +42,7 @@ class _Params(ctypes.Structure):
     """``sage_sm90::Params`` of the CUDA source, field for field."""
 
     _fields_ = [("out", ctypes.c_void_p), ("q_scale", ctypes.c_void_p), ("k_scale", ctypes.c_void_p),
-                ("v_scale", ctypes.c_void_p), ("cu_q", ctypes.c_void_p), ("cu_kv", ctypes.c_void_p),
+                ("v_scale", ctypes.c_void_p), ("v_mean", ctypes.c_void_p), ("cu_q", ctypes.c_void_p), ("cu_kv", ctypes.c_void_p),
                 ("stats", ctypes.c_void_p), ("qk_scale_log2", ctypes.c_float), ("skip_factor", ctypes.c_float),
                 ("n_q_blocks", ctypes.c_int), ("n_k_blocks", ctypes.c_int), ("out_stride_t", ctypes.c_longlong),
                 ("out_stride_h", ctypes.c_longlong), ("heads", ctypes.c_int), ("group", ctypes.c_int),
@@ -54,7 +54,7 @@ def kernel_name(head_dim: int, dtype: torch.dtype, k_block_size: int, skip: bool
     return f"sage_sm90_d{head_dim}_{_OUT_NAMES[dtype]}_k{k_block_size}" + ("_skip" if skip else "")
 
 
-KERNEL_NAMES = tuple(kernel_name(d, t, kb, s) for d in (64, 128) for t in _OUT_NAMES for kb in (1, 4, 16)
+KERNEL_NAMES = tuple(kernel_name(d, t, kb, s) for d in (64, 128) for t in _OUT_NAMES for kb in K_BLOCK_SIZES
                      for s in (False, True))
 
 
@@ -123,7 +123,7 @@ def sage_sm90_attention(
         cuda_jit.TensorMap.tiles_2d(st.vt.view(torch.uint8), BLOCK_N, dim),
     )
     params = _Params(
-        out.data_ptr(), st.q_scale.data_ptr(), st.k_scale.data_ptr(), st.v_scale.data_ptr(),
+        out.data_ptr(), st.q_scale.data_ptr(), st.k_scale.data_ptr(), st.v_scale.data_ptr(), st.v_mean.data_ptr(),
         layout.cu_seqlens_q.data_ptr(), layout.cu_seqlens_kv.data_ptr(), stats.data_ptr(),
         softmax_scale * LOG2E, float(skip_factor or 0.0), st.q_scale.shape[1], st.k_scale.shape[1],
         out.stride(0), out.stride(1), heads, heads // kv_heads,

@@ -91,6 +91,8 @@ if triton is not None:
 
     _LOG2_P_SCALE = tl.constexpr(math.log2(448.0))
     _LN2 = tl.constexpr(LN2)
+    #: The largest finite fp16: SAGE outputs are clamped to it (NaN kept) before an fp16 store.
+    _FP16_MAX = tl.constexpr(65504.0)
 
     @triton.jit
     def _update(acc, l_i, m_i, s, q_row_scale, local, desc_v, v_row, v_col, SAGE: tl.constexpr,
@@ -173,7 +175,7 @@ if triton is not None:
 
     @triton.jit
     def _attn_fwd(
-        desc_q, desc_k, desc_v, out_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, stats_ptr, lse_ptr,
+        desc_q, desc_k, desc_v, out_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, v_mean_ptr, stats_ptr, lse_ptr,
         cu_q_ptr, cu_kv_ptr, qk_scale, skip_factor, n_q_blocks, n_k_blocks, stride_ot, stride_oh,
         H: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         QUANT: tl.constexpr, Q_BS: tl.constexpr, K_BS: tl.constexpr, SKIP: tl.constexpr, STATS: tl.constexpr,
@@ -220,7 +222,10 @@ if triton is not None:
                     HEAD_DIM, BLOCK_N, QUANT, K_BS, True, SKIP, NATIVE, COMPILED)
             o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
             if QUANT != 0:
-                o = o * tl.load(v_scale_ptr + kv_head * HEAD_DIM + dims)[None, :]
+                vc = kv_head * HEAD_DIM + dims  # V's scales, then its mean (smooth_v) back
+                o = o * tl.load(v_scale_ptr + vc)[None, :] + tl.load(v_mean_ptr + vc)[None, :]
+                if out_ptr.dtype.element_ty == tl.float16:  # fp8's rounding of V less its mean may overshoot
+                    o = tl.clamp(o, -_FP16_MAX, _FP16_MAX, propagate_nan=tl.PropagateNan.ALL)
             tok = (q_start + rows).to(tl.int64)
             tl.store(out_ptr + tok[:, None] * stride_ot + head * stride_oh + dims[None, :],
                      o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
@@ -276,7 +281,7 @@ class KernelOperands:
     (placeholders, never read, without SAGE)."""
 
     descs: tuple
-    scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # Q's, K's, V's scales and V's mean
     n_blocks: tuple[int, int]
     block_sizes: tuple[int, int]
 
@@ -291,12 +296,12 @@ def kernel_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: P
         st = triton_quant.sage_quantize_triton(q, k, v, layout, quant)
         return KernelOperands(
             (describe(st.q, [block_m, dim]), describe(st.k, [block_n, dim]), describe(st.vt, [dim, block_n])),
-            (st.q_scale, st.k_scale, st.v_scale),
+            (st.q_scale, st.k_scale, st.v_scale, st.v_mean),
             (st.q_scale.shape[1], st.k_scale.shape[1]),
             (quant.q_block_size, quant.k_block_size),
         )
     return KernelOperands((describe(q, [block_m, dim]), describe(k, [block_n, dim]), describe(v, [block_n, dim])),
-                          (placeholder,) * 3, (0, 0), (1, 1))
+                          (placeholder,) * 4, (0, 0), (1, 1))
 
 
 def triton_attention(

@@ -10,10 +10,10 @@ to quantize, so no reduction has to finish before the launch; then programs for 
 Q tiles and the K tiles of every sequence (tile fastest, then sequence, then head).
 The V programs are the launch's longest work, so they come first in program-id order:
 they start at once and the short Q/K tiles fill the GPU beside them, instead of the
-last head's V programs running as a serial tail. With ``V_SPLIT`` (opt-in, not yet measured)
-V goes by token tiles instead: in the same launch each tile folds its channels' amax
-into V's scales by an atomic max, and a second launch of token tiles quantizes and
-transposes V, so no program walks every token.
+last head's V programs running as a serial tail. (V by token tiles, their amax folded
+into the scales by an atomic max and a second launch to quantize, measured twice as slow
+on the H200: docs/design.md, "The quantizer".) V is quantized less its per-(head,
+channel) mean (``smooth_v``), which the attention kernels add back to their output.
 
 V is written transposed, ``[kv_heads * dim, padded tokens]``, because Hopper's
 fp8 tensor-core product needs the reduction dimension (tokens, in P·V)
@@ -44,11 +44,12 @@ import triton.language as tl
 
 from ..config import QuantConfig
 from ..layout import PackedLayout
-from .reference import AMAX_FLOOR, FP8_MAX
+from .reference import AMAX_FLOOR, FP8_MAX, channel_mean
 
 __all__ = ["TritonSage", "sage_quantize_triton", "mma_key_column", "fp8_native", "interpreting", "round_fp8_grid", "vt_start", "max_nan"]
 
-#: Tokens per program of the quantization kernel (a multiple of every block size).
+#: Tokens per program of the quantization kernel (a multiple of every Q block size; K blocks of 128 take
+#: tiles of 128).
 QUANT_BLOCK_T = 64
 #: V's channels per program, and the tokens it reads at a time; with the warps per program, the fastest
 #: setting measured on the H200 (benchmarks/results/quantizer_h200_v_first.md: 1.56 / 3.54 / 0.21 ms on
@@ -56,10 +57,6 @@ QUANT_BLOCK_T = 64
 V_CHANNELS, V_BLOCK_T = 8, 128
 #: Warps per program.
 QUANT_WARPS = 8
-#: V by token tiles instead: tiles of ``QUANT_BLOCK_T`` tokens fold their channels' amax into V's scales by an
-#: atomic max, and a second launch of token tiles quantizes and transposes V, instead of one program per block
-#: of channels walking every token twice (a long serial path). Off until measured on a GPU.
-V_SPLIT = False
 _AMAX_FLOOR, _FP8_MAX = tl.constexpr(AMAX_FLOOR), tl.constexpr(FP8_MAX)
 
 
@@ -97,6 +94,9 @@ class TritonSage:
     q_scale: torch.Tensor
     k_scale: torch.Tensor
     v_scale: torch.Tensor
+    #: ``[kv_heads, dim]`` float32: V's mean over every token, taken off before fp8 (``vt`` holds V less it)
+    #: and added back to the output by the attention kernels.
+    v_mean: torch.Tensor
     #: ``vt``'s keys are in the ``sage-sm90`` kernel's order within each group of 16 columns.
     mma_key_order: bool = False
 
@@ -181,26 +181,22 @@ def _quantize_tile(x, QMAX: tl.constexpr, BS: tl.constexpr, BLOCK_T: tl.constexp
 @triton.jit
 def _sage_quant_kernel(
     q_ptr, k_ptr, v_ptr, qo_ptr, ko_ptr, vt_ptr,
-    q_scale_ptr, k_scale_ptr, v_scale_ptr, k_mean_ptr,
+    q_scale_ptr, k_scale_ptr, v_scale_ptr, k_mean_ptr, v_mean_ptr,
     cu_q_ptr, cu_kv_ptr,
     n_q_blocks, n_k_blocks, n_q_tiles, n_kv_tiles, vt_stride, tokens_kv, num_seqs, n_v_programs,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
     Q_BS: tl.constexpr, K_BS: tl.constexpr, QMAX: tl.constexpr, IS_INT8: tl.constexpr,
     SMOOTH_K: tl.constexpr, NATIVE: tl.constexpr, MMA_KEY_ORDER: tl.constexpr,
-    V_CH: tl.constexpr, V_BLOCK: tl.constexpr, V_SPLIT: tl.constexpr,
+    V_CH: tl.constexpr, V_BLOCK: tl.constexpr,
 ):
     # 1D grid, V programs first: they are the launch's longest work (each reads all tokens twice), so they start
     # at once and the short Q/K tiles fill the GPU beside them (``sage_quantize_triton`` sizes the grid).
     pid = tl.program_id(0)
     if pid < n_v_programs:
-        if V_SPLIT:  # V's amax over tokens (pid // HKV) * BLOCK_T ... of KV head pid % HKV, into v_scale_ptr's bits
-            _fold_v_amax(v_ptr, v_scale_ptr, pid % HKV, (pid // HKV) * BLOCK_T, tokens_kv, stride_vt, stride_vh, D,
-                         BLOCK_T)
-        else:  # V's channels (pid % n_v) * V_CH ... of KV head pid // n_v, n_v = D // V_CH
-            _quantize_v_channels(v_ptr, vt_ptr, v_scale_ptr, cu_kv_ptr, (pid % (D // V_CH)) * V_CH, pid // (D // V_CH),
-                                 tokens_kv, num_seqs, vt_stride, stride_vt, stride_vh, D, NATIVE, MMA_KEY_ORDER, V_CH,
-                                 V_BLOCK)
+        # V's channels (pid % n_v) * V_CH ... of KV head pid // n_v, n_v = D // V_CH
+        _quantize_v_channels(v_ptr, v_mean_ptr, vt_ptr, v_scale_ptr, cu_kv_ptr, (pid % (D // V_CH)) * V_CH, pid // (D // V_CH),
+                             tokens_kv, num_seqs, vt_stride, stride_vt, stride_vh, D, NATIVE, MMA_KEY_ORDER, V_CH, V_BLOCK)
     else:  # a Q or K tile: tile fastest, then sequence, then head
         r = pid - n_v_programs
         tile = r % (n_q_tiles + n_kv_tiles)
@@ -240,21 +236,22 @@ def _quantize_rows(x_ptr, stride_t, stride_h, out_ptr, OUT_HEADS: tl.constexpr, 
 
 
 @triton.jit
-def _quantize_v_channels(v_ptr, vt_ptr, v_scale_ptr, cu_kv_ptr, ch0, head, tokens_kv, num_seqs, vt_stride, stride_vt,
+def _quantize_v_channels(v_ptr, v_mean_ptr, vt_ptr, v_scale_ptr, cu_kv_ptr, ch0, head, tokens_kv, num_seqs, vt_stride, stride_vt,
                          stride_vh, D: tl.constexpr, NATIVE: tl.constexpr, MMA_KEY_ORDER: tl.constexpr,
                          V_CH: tl.constexpr, V_BLOCK: tl.constexpr):
-    """V's channels ``ch0 .. ch0 + V_CH - 1`` of one head: their scales, from the amax over every token
+    """V's channels ``ch0 .. ch0 + V_CH - 1`` of one head less their mean: their scales, from the amax over every token
     (tokens outside any sequence included, as ``reference.sage_quantize``'s), then each sequence's values
     in fp8, transposed, from column ``vt_start``, and the gap up to the next sequence's start zeroed (an
     empty sequence's too: a neighbour's masked last tile reads it)."""
     ch = ch0 + tl.arange(0, V_CH)
     toks = tl.arange(0, V_BLOCK)
     columns = v_ptr + head * stride_vh + ch[None, :]
+    mean = tl.load(v_mean_ptr + head * D + ch)[None, :]
     amax = tl.zeros([V_CH], dtype=tl.float32)
     for t0 in range(0, tokens_kv, V_BLOCK):
         ok = (t0 + toks) < tokens_kv
         x = tl.load(columns + (t0 + toks)[:, None].to(tl.int64) * stride_vt, mask=ok[:, None], other=0.0)
-        amax = _maximum_nan(amax, max_nan(tl.abs(x.to(tl.float32)), 0))
+        amax = _maximum_nan(amax, max_nan(tl.abs(_less_mean(x, mean, ok[:, None])), 0))
     scale = _v_scale(amax)
     tl.store(v_scale_ptr + head * D + ch, scale)
     v_rows = vt_ptr + (head * D + ch)[:, None].to(tl.int64) * vt_stride
@@ -265,8 +262,14 @@ def _quantize_v_channels(v_ptr, vt_ptr, v_scale_ptr, cu_kv_ptr, ch0, head, token
         for local in range(0, length, V_BLOCK):
             ok = (local + toks) < length
             x = tl.load(columns + (start + local + toks)[:, None].to(tl.int64) * stride_vt, mask=ok[:, None], other=0.0)
-            _store_vt(v_rows, x, scale, first + local + toks, ok, NATIVE, MMA_KEY_ORDER)
+            _store_vt(v_rows, _less_mean(x, mean, ok[:, None]), scale, first + local + toks, ok, NATIVE, MMA_KEY_ORDER)
         _zero_vt_gap(v_rows, seq, start, length, toks, V_CH, V_BLOCK, MMA_KEY_ORDER)
+
+
+@triton.jit
+def _less_mean(x, mean, ok):
+    """V's values in fp32 less their channels' mean (``smooth_v``), 0 where ``ok`` is false."""
+    return tl.where(ok, x.to(tl.float32) - mean, 0.0)
 
 
 @triton.jit
@@ -279,7 +282,7 @@ def _v_scale(amax):
 def _store_vt(v_rows, x, scale, cols, ok, NATIVE: tl.constexpr, MMA_KEY_ORDER: tl.constexpr):
     """V values ``x`` (``[tokens, channels]``) in fp8 by their channels' ``scale``, stored transposed at key
     columns ``cols`` of the channels' rows ``v_rows``."""
-    y = round_fp8_grid(tl.clamp(tl.math.div_rn(x.to(tl.float32), scale[None, :]), -448.0, 448.0))
+    y = round_fp8_grid(tl.clamp(tl.math.div_rn(x, scale[None, :]), -448.0, 448.0))
     vq = tl.trans(y.to(tl.float8e4nv) if NATIVE else y.to(tl.float16))  # [channels, tokens]: tokens contiguous
     if MMA_KEY_ORDER:
         cols = mma_key_column(cols)
@@ -296,47 +299,6 @@ def _zero_vt_gap(v_rows, seq, start, length, toks, CH: tl.constexpr, T: tl.const
     if MMA_KEY_ORDER:
         cols = mma_key_column(cols)
     tl.store(v_rows + cols[None, :], tl.zeros([CH, T], dtype=v_rows.dtype.element_ty), mask=(toks < gap)[None, :])
-
-
-@triton.jit
-def _fold_v_amax(v_ptr, amax_bits_ptr, head, t0, tokens_kv, stride_vt, stride_vh, D: tl.constexpr,
-                 BLOCK_T: tl.constexpr):
-    """Tokens ``t0 .. t0 + BLOCK_T - 1`` of one head of V (any sequence or none, as the reference's amax):
-    their channels' amax folded into ``amax_bits_ptr`` (zeroed int32) by an atomic integer max of the float
-    bits, which orders non-negative floats as the floats and puts NaN above inf."""
-    dims = tl.arange(0, D)
-    rows = t0 + tl.arange(0, BLOCK_T)
-    ok = rows < tokens_kv
-    x = tl.load(v_ptr + rows[:, None].to(tl.int64) * stride_vt + head * stride_vh + dims[None, :], mask=ok[:, None],
-                other=0.0)
-    amax = max_nan(tl.abs(x.to(tl.float32)), 0)
-    tl.atomic_max(amax_bits_ptr + head * D + dims, amax.to(tl.int32, bitcast=True))
-
-
-@triton.jit
-def _quantize_v_tiles_kernel(v_ptr, vt_ptr, v_scale_ptr, amax_bits_ptr, cu_kv_ptr, vt_stride, stride_vt, stride_vh,
-                             D: tl.constexpr, BLOCK_T: tl.constexpr, NATIVE: tl.constexpr,
-                             MMA_KEY_ORDER: tl.constexpr):
-    """``V_SPLIT``'s second launch, grid (tiles, sequences, KV heads): one tile of one sequence's V in fp8 by
-    the scales the first launch's amax gives, transposed; tile 0 also zeroes the sequence's gap (an empty
-    sequence's too) and, of sequence 0, stores the scales."""
-    tile, seq, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    dims = tl.arange(0, D)
-    scale = _v_scale(tl.load(amax_bits_ptr + head * D + dims).to(tl.float32, bitcast=True))
-    start = tl.load(cu_kv_ptr + seq)
-    length = tl.load(cu_kv_ptr + seq + 1) - start
-    toks = tl.arange(0, BLOCK_T)
-    v_rows = vt_ptr + (head * D + dims)[:, None].to(tl.int64) * vt_stride
-    local = tile * BLOCK_T
-    if local < length:
-        ok = (local + toks) < length
-        x = tl.load(v_ptr + (start + local + toks)[:, None].to(tl.int64) * stride_vt + head * stride_vh + dims[None, :],
-                    mask=ok[:, None], other=0.0)
-        _store_vt(v_rows, x, scale, vt_start(seq, start) + local + toks, ok, NATIVE, MMA_KEY_ORDER)
-    if tile == 0:
-        _zero_vt_gap(v_rows, seq, start, length, toks, D, BLOCK_T, MMA_KEY_ORDER)
-        if seq == 0:
-            tl.store(v_scale_ptr + head * D + dims, scale)
 
 
 def sage_quantize_triton(
@@ -357,7 +319,8 @@ def sage_quantize_triton(
     n_q_blocks = scale_slots(layout.q_lens, quant.q_block_size)
     n_k_blocks = scale_slots(layout.kv_lens, quant.k_block_size)
     v_scale = torch.empty(kv_heads, dim, dtype=torch.float32, device=q.device)  # written by the kernel
-    k_mean = k.mean(dim=0, dtype=torch.float32) if quant.smooth_k else v_scale  # (unused without smooth_k)
+    k_mean = channel_mean(k) if quant.smooth_k else v_scale  # (unused without smooth_k)
+    v_mean = channel_mean(v)  # smooth_v, always (docs/design.md, "V's mean")
     padded = vt_start.fn(layout.num_seqs, tokens_kv)
     out = TritonSage(
         q=torch.empty(q.shape, dtype=qk_dtype, device=q.device),
@@ -366,29 +329,24 @@ def sage_quantize_triton(
         q_scale=torch.empty(heads, n_q_blocks, dtype=torch.float32, device=q.device),
         k_scale=torch.empty(kv_heads, n_k_blocks, dtype=torch.float32, device=q.device),
         v_scale=v_scale,
+        v_mean=v_mean,
         mma_key_order=mma_key_order,
     )
-    n_q_tiles = triton.cdiv(layout.max_seqlen_q, QUANT_BLOCK_T)
-    n_kv_tiles = triton.cdiv(layout.max_seqlen_kv, QUANT_BLOCK_T)
-    # V's programs come first on the grid: V_SPLIT's amax tiles (into amax_bits, V's scales as int32 bits) or one
-    # per block of channels; then the Q/K tiles of every (sequence, head).
-    amax_bits = torch.zeros(kv_heads, dim, dtype=torch.int32, device=q.device) if V_SPLIT else v_scale
-    n_v_programs = kv_heads * (triton.cdiv(tokens_kv, QUANT_BLOCK_T) if V_SPLIT else dim // V_CHANNELS)
+    block_t = max(QUANT_BLOCK_T, quant.k_block_size)  # a tile starts whole blocks (_quantize_tile)
+    n_q_tiles = triton.cdiv(layout.max_seqlen_q, block_t)
+    n_kv_tiles = triton.cdiv(layout.max_seqlen_kv, block_t)
+    # V's programs come first on the grid, one per block of channels; then the Q/K tiles of every (sequence, head).
+    n_v_programs = kv_heads * (dim // V_CHANNELS)
     grid = (n_v_programs + (n_q_tiles + n_kv_tiles) * layout.num_seqs * heads,)
     _sage_quant_kernel[grid](
         q, k, v, out.q, out.k, out.vt,
-        out.q_scale, out.k_scale, amax_bits, k_mean,
+        out.q_scale, out.k_scale, v_scale, k_mean, v_mean,
         layout.cu_seqlens_q, layout.cu_seqlens_kv,
         n_q_blocks, n_k_blocks, n_q_tiles, n_kv_tiles, padded, tokens_kv, layout.num_seqs, n_v_programs,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        H=heads, HKV=kv_heads, D=dim, BLOCK_T=QUANT_BLOCK_T,
+        H=heads, HKV=kv_heads, D=dim, BLOCK_T=block_t,
         Q_BS=quant.q_block_size, K_BS=quant.k_block_size, QMAX=quant.qk_max,
         IS_INT8=qk_dtype == torch.int8, SMOOTH_K=quant.smooth_k, NATIVE=native, MMA_KEY_ORDER=mma_key_order,
-        V_CH=V_CHANNELS, V_BLOCK=V_BLOCK_T, V_SPLIT=V_SPLIT, num_warps=QUANT_WARPS,
+        V_CH=V_CHANNELS, V_BLOCK=V_BLOCK_T, num_warps=QUANT_WARPS,
     )
-    if V_SPLIT:
-        _quantize_v_tiles_kernel[(max(n_kv_tiles, 1), layout.num_seqs, kv_heads)](
-            v, out.vt, v_scale, amax_bits, layout.cu_seqlens_kv, padded, v.stride(0), v.stride(1),
-            D=dim, BLOCK_T=QUANT_BLOCK_T, NATIVE=native, MMA_KEY_ORDER=mma_key_order, num_warps=QUANT_WARPS,
-        )
     return out

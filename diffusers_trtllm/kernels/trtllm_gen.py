@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..config import BLOCK_SIZES
 from ..routing.registry import AttentionCall, AttentionResult, Capabilities, Route, device_sm, register_route
 from . import flashinfer_support
 
@@ -71,6 +72,9 @@ class TrtllmGenRoute(Route):
         if call.quant is not None:
             if call.quant.dtype_qk == "int8" and device_sm(call.q.device) not in INT8_SAGE_SMS:
                 reasons.append(f"int8 SAGE needs SM in {sorted(INT8_SAGE_SMS)}; use dtype_qk='fp8_e4m3'")
+            if call.quant.k_block_size not in BLOCK_SIZES:
+                reasons.append(f"FlashInfer's SAGE kernels take k_block_size in {BLOCK_SIZES}, "
+                               f"not {call.quant.k_block_size}")
             if _quantize_fn() is None or not _accepts_sage(_attention_fn()):
                 reasons.append("this FlashInfer build has no SAGE kernels (need flashinfer-python>=0.6.18)")
         return reasons

@@ -18,8 +18,10 @@
 // transcendental unit, which would otherwise bound the kernel); P packed to fp8 in the register order the
 // P.V wgmma reads as its A operand; O = O * alpha + P V^T (wgmma fp8 -> fp32; the rescale is left out
 // while no row's max moved) and l = l * alpha + the tile's row sums (a small wgmma, see E4M3_ONES).
-// A fresh accumulator per tile for O (SageAttention2's two-level accumulation) measured the same rel-L1
-// on wan_14b_480p to four digits and costs 64 registers; it is not used.
+// O accumulates inside the tensor cores across tiles (13 mantissa bits per add), which biases it when every
+// tile adds alike; V arrives less its per-channel mean (the quantizer's smooth_v), so the adds have random
+// signs, and the epilogue adds the mean back (docs/design.md, "V's mean"). A second, per-tile accumulator
+// (SageAttention2's two-level accumulation) would need 64 more registers than the consumers have.
 //
 // Register-order trick: the S accumulator gives thread (g, t) of a warp the columns {2t, 2t+1, 8+2t, 9+2t}
 // of each 16 keys; the A fragment of a k32 fp8 wgmma wants columns {4t..4t+3}. Since P.V sums over keys,
@@ -35,6 +37,8 @@
 #include <stdint.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+
+#include <type_traits>
 
 #ifndef SAGE_SM90_SOFT_EXP  // of each row's 16 score chunks, how many take exp2_poly (fast path)
 #define SAGE_SM90_SOFT_EXP 4
@@ -69,6 +73,7 @@ struct Params {
   const float* q_scale;    // [heads, n_q_blocks]
   const float* k_scale;    // [kv_heads, n_k_blocks]
   const float* v_scale;    // [kv_heads, D]
+  const float* v_mean;     // [kv_heads, D]: V's mean, taken off before fp8 and added back to the output
   const int* cu_q;         // [num_seqs + 1]
   const int* cu_kv;
   int* stats;              // skipped-tile counter (only written when count_skipped)
@@ -152,6 +157,19 @@ __device__ __forceinline__ float max_nan(float a, float b) {  // NaN wins, as to
   return d;
 }
 
+// An output value in OutT; fp16's range is clamped first, NaN kept: fp8's rounding of V less its mean can take
+// an average of values at fp16's limit past it, where the average itself cannot be.
+template <typename OutT>
+__device__ __forceinline__ OutT to_output(float x) {
+  if constexpr (std::is_same_v<OutT, __half>) {
+    float y;
+    asm("min.NaN.f32 %0, %1, 0f477FE000;\n" : "=f"(y) : "f"(max_nan(x, -65504.f)));  // 65504
+    return __float2half_rn(y);
+  } else {
+    return static_cast<OutT>(x);
+  }
+}
+
 __device__ __forceinline__ float exp2_approx(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
@@ -211,17 +229,28 @@ __device__ __forceinline__ float ld_shared_f32(uint32_t addr) {
   return v;
 }
 
-// The NaN-propagating max of N values (N a power of two) in log2(N) dependent steps (a chain would take N - 1).
-template <int N>
-__device__ __forceinline__ float tree_max(float (&r)[N]) {
+// The larger of two scores: floats NaN-propagating (as torch.amax), integers plain.
+__device__ __forceinline__ float larger(float a, float b) { return max_nan(a, b); }
+__device__ __forceinline__ int32_t larger(int32_t a, int32_t b) { return max(a, b); }
+
+// The max of N values (N a power of two) in log2(N) dependent steps (a chain would take N - 1).
+template <typename T, int N>
+__device__ __forceinline__ T tree_max(const T (&r)[N]) {
   if constexpr (N == 1) {
     return r[0];
   } else {
-    float half[N / 2];
+    T half[N / 2];
 #pragma unroll
-    for (int j = 0; j < N / 2; ++j) half[j] = max_nan(r[j], r[j + N / 2]);
+    for (int j = 0; j < N / 2; ++j) half[j] = larger(r[j], r[j + N / 2]);
     return tree_max(half);
   }
+}
+
+// (old & zero) | value in one LOP3: `value`, read together with `old` so that `old` stays alive until here.
+__device__ __forceinline__ uint32_t keep_alive_copy(uint32_t old, uint32_t zero, uint32_t value) {
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(d) : "r"(old), "r"(zero), "r"(value));  // (a & b) | c
+  return d;
 }
 
 // Shared-memory matrix descriptor of a K-major tile whose rows are `row_bytes` long (64 or 128), swizzled
@@ -415,7 +444,7 @@ __device__ __forceinline__ int key_of(int e, int t) { return 8 * (e / 2) + 2 * t
 
 // Softmax of one tile, from S (int32) to P (fp8, in the P.V product's register order).
 //
-// G consecutive scores of a thread's row share one K scale (k_block_size 16: G = 4; 4: G = 2; 1: G = 1),
+// G consecutive scores of a thread's row share one K scale (k_block_size 128: G = 32; 16: 4; 4: 2; 1: 1),
 // so the row max is taken over integers within each group and scaled once per group, and the exponent is
 // one FFMA per score on S's exact float: 2^(S * c + b) with c = k_scale * q_scale' and b folding in the max
 // (fast path). Rows whose magnitudes make that rounding matter (|m * qs| >= 2^12 or c >= 2^-8), and the
@@ -453,10 +482,10 @@ __device__ __forceinline__ bool tile_softmax(const int32_t (&acc)[64], uint32_t 
           gm[r][g] = best;
         }
       } else {
-        int32_t best = acc[acc_index(r, G * g)];
+        int32_t group[G];
 #pragma unroll
-        for (int e = G * g + 1; e < G * (g + 1); ++e) best = max(best, acc[acc_index(r, e)]);
-        gm[r][g] = __fmul_rn(exact_float(best), k);
+        for (int e = 0; e < G; ++e) group[e] = acc[acc_index(r, G * g + e)];
+        gm[r][g] = __fmul_rn(exact_float(tree_max(group)), k);
       }
     }
   }
@@ -614,7 +643,8 @@ __device__ __forceinline__ void consume(Smem<D, STAGES>& sm, const Params& p, in
     uint32_t pv[4][4];      // P of the tile whose P.V product is in flight
     // ptxas takes P.V's P registers as free once the product is issued and reuses them in the next softmax
     // while the product still reads them (wrong results, measured). Reading the old pv after the wait, in
-    // a copy masked by a zero it cannot prove (kv_len >= 0), keeps them alive until then: 16 LOP3 a tile.
+    // a copy masked by a zero it cannot prove (kv_len >= 0), keeps them alive until then: 16 LOP3 a tile
+    // (keep_alive_copy; written as C++, (old & zero) | new took two each).
     const uint32_t zero = static_cast<uint32_t>(kv_len >> 31);
     bool sums_due = false;  // the P.V group in flight is a kept tile's: add its row sums to l
     // Per tile n (FA3's intra-warpgroup overlap): softmax of tile n runs while the tensor cores finish P.V of
@@ -647,7 +677,7 @@ __device__ __forceinline__ void consume(Smem<D, STAGES>& sm, const Params& p, in
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
 #pragma unroll
-          for (int j = 0; j < 4; ++j) pv[kk][j] = (pv[kk][j] & zero) | pa[kk][j];  // reads the old pv: see zero
+          for (int j = 0; j < 4; ++j) pv[kk][j] = keep_alive_copy(pv[kk][j], zero, pa[kk][j]);
         }
       } else {
         ++skipped;
@@ -723,25 +753,27 @@ __device__ __forceinline__ void consume(Smem<D, STAGES>& sm, const Params& p, in
   }
   if (PINGPONG && consumer == 0) named_sync(my_turn, 256);  // the second consumer's last arrival
 
-  // ---- epilogue: O / l * v_scale, rows of this sequence only ----
+  // ---- epilogue: O / l * v_scale + v_mean, rows of this sequence only ----
   l_0 = __shfl_sync(0xffffffff, l_0, lane & ~3);
   l_1 = __shfl_sync(0xffffffff, l_1, lane & ~3);
   const float inv0 = 1.f / (l_0 > 0.f ? l_0 : 1.f), inv1 = 1.f / (l_1 > 0.f ? l_1 : 1.f);
   const float* v_scale = p.v_scale + kv_head * D;
+  const float* v_mean = p.v_mean + kv_head * D;
   OutT* out = static_cast<OutT*>(p.out) + head * p.out_stride_h;
 #pragma unroll
   for (int j = 0; j < D / 8; ++j) {
     const int col = 8 * j + 2 * t;
     const float vs0 = __ldg(v_scale + col), vs1 = __ldg(v_scale + col + 1);
+    const float vm0 = __ldg(v_mean + col), vm1 = __ldg(v_mean + col + 1);
     if (ok0) {
       OutT* dst = out + (q_start + row0) * p.out_stride_t + col;
-      dst[0] = static_cast<OutT>(o[4 * j] * inv0 * vs0);
-      dst[1] = static_cast<OutT>(o[4 * j + 1] * inv0 * vs1);
+      dst[0] = to_output<OutT>(fmaf(o[4 * j] * inv0, vs0, vm0));
+      dst[1] = to_output<OutT>(fmaf(o[4 * j + 1] * inv0, vs1, vm1));
     }
     if (ok1) {
       OutT* dst = out + (q_start + row1) * p.out_stride_t + col;
-      dst[0] = static_cast<OutT>(o[4 * j + 2] * inv1 * vs0);
-      dst[1] = static_cast<OutT>(o[4 * j + 3] * inv1 * vs1);
+      dst[0] = to_output<OutT>(fmaf(o[4 * j + 2] * inv1, vs0, vm0));
+      dst[1] = to_output<OutT>(fmaf(o[4 * j + 3] * inv1, vs1, vm1));
     }
   }
   if (SKIP && p.count_skipped && wg_has_rows && tid == 0) atomicAdd(p.stats, skipped);
@@ -830,7 +862,9 @@ __device__ __forceinline__ void attention(const TensorMap* map_q, const TensorMa
   SAGE_SM90_KERNEL(sage_sm90_d##D##_##DT##_k4, D, 2, false, OUT)       \
   SAGE_SM90_KERNEL(sage_sm90_d##D##_##DT##_k4_skip, D, 2, true, OUT)   \
   SAGE_SM90_KERNEL(sage_sm90_d##D##_##DT##_k16, D, 4, false, OUT)      \
-  SAGE_SM90_KERNEL(sage_sm90_d##D##_##DT##_k16_skip, D, 4, true, OUT)
+  SAGE_SM90_KERNEL(sage_sm90_d##D##_##DT##_k16_skip, D, 4, true, OUT)    \
+  SAGE_SM90_KERNEL(sage_sm90_d##D##_##DT##_k128, D, 32, false, OUT)    \
+  SAGE_SM90_KERNEL(sage_sm90_d##D##_##DT##_k128_skip, D, 32, true, OUT)
 
 SAGE_SM90_KERNELS(128, bf16, __nv_bfloat16)
 SAGE_SM90_KERNELS(128, fp16, __half)
