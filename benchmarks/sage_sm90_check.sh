@@ -21,7 +21,7 @@ for section in "$@"; do
       tests/test_gluon_attn_gpu.py 2>&1 | tee "$out/gpu_tests_sage_sm90.log" | tail -5 ;;
   e2e)  # Wan2.1-14B forwards at 480p and 720p (random weights): int8 SAGE with K blocks of 16 and 128, SageAttention2
     timeout 290 python3 -m diffusers_trtllm.bench e2e --models wan2.1-t2v-14b,wan2.1-t2v-14b-720p --weights random \
-      --configs stock,sage-int8,sage-int8-k128,stock-sage2 --warmup 0 --iters 2 --time-limit 240 --out "$out" \
+      --configs stock,sage-int8,sage-int8-k16,stock-sage2 --warmup 0 --iters 2 --time-limit 240 --out "$out" \
       --name e2e_h200_sage_smooth_v --no-progress 2>&1 | grep -v "^\s*$" | tail -30 ;;
   sweep)
     timeout 200 python3 benchmarks/bench_sage_sm90.py --shapes wan_14b_480p,wan_14b_720p,flux_1024 --builds default \

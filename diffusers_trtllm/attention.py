@@ -10,7 +10,7 @@ from typing import Any, Mapping
 import torch
 
 from ._logging import warn_once
-from .config import ControlTypeError, QuantConfig, SkipSoftmaxConfig
+from .config import DEFAULT_K_BLOCK, ControlTypeError, QuantConfig, SkipSoftmaxConfig
 from .layout import LayoutCache, PackedLayout, key_padding_mask
 from .routing import AttentionCall, AttentionResult, NoRouteError, get_route, select_route
 from .routing.policy import apply_policy
@@ -62,14 +62,15 @@ def resolve_quant(quant: QuantConfig | None, layout: PackedLayout, role: str = "
     """SAGE settings for this call: None when off, or when a KV sequence is shorter than a K block."""
     if quant is None or not quant.enabled:
         return None
-    if layout.min_seqlen_kv < quant.k_block_size:
+    block = quant.with_k_block(DEFAULT_K_BLOCK).k_block_size  # (a route's own block may be larger: partial is fine)
+    if layout.min_seqlen_kv < block:
         warn_once(
-            ("sage-short-kv", role, quant.k_block_size),
+            ("sage-short-kv", role, block),
             "SAGE quantization is configured for attention role %r, but a KV sequence has %d tokens, fewer "
             "than k_block_size=%d; that attention runs unquantized.",
             role,
             layout.min_seqlen_kv,
-            quant.k_block_size,
+            block,
         )
         return None
     return quant

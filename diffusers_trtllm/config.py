@@ -11,7 +11,8 @@ Accepted forms (``SkipSoftmaxConfig.coerce`` / ``QuantConfig.coerce``):
   ``threshold`` / ``skip_softmax_threshold``, ``target_sparsity``, ``disabled_until_timestep``.
 - quant: ``None``, a ``QuantConfig``, a dtype name (``"int8"``, ``"fp8_e4m3"``, ``"fp8"``)
   or ``torch.int8`` / ``torch.float8_e4m3fn``, or a dict with ``dtype_qk``,
-  ``q_block_size``, ``k_block_size``, ``smooth_k``.
+  ``q_block_size``, ``k_block_size``, ``smooth_k``. ``k_block_size`` left out (None) is the route's
+  choice: ``DEFAULT_K_BLOCK`` (16, FlashInfer's) on every route but ``sage-sm90``, which takes 128.
 
 ``skip_softmax_threshold`` must lie in [0, 1): it is the longest sequence's
 ``lambda``, and a tile is skipped when its scores stay below ``lambda`` times the
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
-    "SkipSoftmaxConfig", "QuantConfig", "QK_QUANT_DTYPES", "BLOCK_SIZES", "K_BLOCK_SIZES", "ControlTypeError", "unknown_keys_message",
+    "SkipSoftmaxConfig", "QuantConfig", "QK_QUANT_DTYPES", "BLOCK_SIZES", "K_BLOCK_SIZES", "DEFAULT_K_BLOCK", "ControlTypeError", "unknown_keys_message",
     "POLICIES", "ROUTE_NAMES", "CPU_ROUTES", "GROUP_BY", "check_fit_range",
 ]
 
@@ -81,6 +82,9 @@ BLOCK_SIZES = (1, 4, 16)
 #: K block sizes: FlashInfer's, and 128, one scale per KV tile of the project's own kernels (FlashInfer's
 #: kernels do not take it); on sage-sm90 a thread's whole row of a tile then shares one K scale.
 K_BLOCK_SIZES = (*BLOCK_SIZES, 128)
+#: The K block of a call that leaves ``k_block_size`` to the route (``QuantConfig.with_k_block``), on every route
+#: but ``sage-sm90``: FlashInfer's and vLLM-Omni's default.
+DEFAULT_K_BLOCK = 16
 
 
 def _dtype_name(dtype_qk: Any) -> str:
@@ -258,7 +262,8 @@ class QuantConfig:
 
     dtype_qk: str | None = None
     q_block_size: int = 1
-    k_block_size: int = 16
+    #: None: the route's block (``with_k_block``).
+    k_block_size: int | None = None
     smooth_k: bool = False
 
     def __post_init__(self) -> None:
@@ -266,8 +271,11 @@ class QuantConfig:
             object.__setattr__(self, "dtype_qk", _dtype_name(self.dtype_qk))
         for field, sizes in (("q_block_size", BLOCK_SIZES), ("k_block_size", K_BLOCK_SIZES)):
             value = getattr(self, field)
+            if field == "k_block_size" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value not in sizes:
-                raise ValueError(f"quant.{field} must be one of {sizes}; got {value!r}.")
+                unset = " or None (the route's)" if field == "k_block_size" else ""
+                raise ValueError(f"quant.{field} must be one of {sizes}{unset}; got {value!r}.")
         if not isinstance(self.smooth_k, bool):
             raise ValueError(f"quant.smooth_k must be True or False; got {self.smooth_k!r}.")
 
@@ -293,7 +301,7 @@ class QuantConfig:
         return cls(
             dtype_qk=q.get("dtype_qk"),
             q_block_size=q.get("q_block_size", 1),
-            k_block_size=q.get("k_block_size", 16),
+            k_block_size=q.get("k_block_size"),
             smooth_k=q.get("smooth_k", False),
         )
 
@@ -306,6 +314,10 @@ class QuantConfig:
     @property
     def enabled(self) -> bool:
         return self.dtype_qk is not None
+
+    def with_k_block(self, block: int) -> "QuantConfig":
+        """This config with ``k_block_size`` set to ``block`` where it was left to the route."""
+        return self if self.k_block_size is not None else replace(self, k_block_size=block)
 
     @property
     def qk_dtype(self) -> "torch.dtype":

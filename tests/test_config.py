@@ -78,6 +78,14 @@ def test_quant_config_rejects(quant, needle):
         QuantConfig.from_kwargs(quant)
 
 
+def test_k_block_is_the_routes_unless_given():
+    assert QuantConfig("int8").k_block_size is None and QuantConfig.from_kwargs("int8").k_block_size is None
+    assert QuantConfig("int8").with_k_block(128).k_block_size == 128
+    assert QuantConfig("int8", 1, 4).with_k_block(128).k_block_size == 4
+    with pytest.raises(ValueError, match=r"k_block_size must be one of \(1, 4, 16, 128\) or None \(the route's\)"):
+        QuantConfig("int8", 1, 32)
+
+
 def test_quant_aliases():
     assert QuantConfig(dtype_qk="fp8").dtype_qk == "fp8_e4m3"
     assert QuantConfig(dtype_qk="fp8_e4m3").qk_max == 448.0

@@ -112,6 +112,35 @@ def test_host_function_refuses_what_the_kernel_cannot_run():
         sage_sm90.sage_sm90_attention(call.q, call.k, call.v, call.layout, softmax_scale=0.1, quant=QuantConfig("int8"))
 
 
+def test_k_block_left_to_the_route_is_128_here_and_16_on_the_triton_route(monkeypatch):
+    """``quant="int8"`` without ``k_block_size``: this kernel quantizes K by KV tile (its faster block), the
+    triton route and the reference by FlashInfer's 16; a block the user gives is kept."""
+    from diffusers_trtllm.kernels import triton_quant
+    from diffusers_trtllm.kernels.reference import sage_quantize
+    from diffusers_trtllm.kernels.triton_attn import triton_attention
+
+    class Quantized(Exception):
+        pass
+
+    seen = []
+
+    def quantize(q, k, v, layout, quant, mma_key_order=False):
+        seen.append((mma_key_order, quant.k_block_size))
+        raise Quantized
+
+    monkeypatch.setattr(triton_quant, "sage_quantize_triton", quantize)
+    monkeypatch.setattr(sage_sm90, "_check_call", lambda q, k, quant: None)
+    call = _call()
+    for quant in (QuantConfig("int8"), QuantConfig("int8", 1, 4)):
+        for run in (sage_sm90.sage_sm90_attention, triton_attention):
+            with pytest.raises(Quantized):
+                run(call.q, call.k, call.v, call.layout, softmax_scale=0.1, quant=quant)
+    assert seen == [(True, 128), (False, 16), (True, 4), (False, 4)]
+    ref = sage_quantize(call.q, call.k, call.v, call.layout.cu_seqlens_q, call.layout.cu_seqlens_kv, (256,), (256,),
+                        QuantConfig("int8"))
+    assert ref.k_scale.shape == (2, 256 // 16)
+
+
 def test_compile_is_cached_by_source_flags_and_compiler(tmp_path, monkeypatch):
     """A stand-in nvcc: the first build runs it, the same build again does not, other flags build anew."""
     log = tmp_path / "calls"

@@ -99,6 +99,7 @@ SETTINGS: dict[str, ProcessorSetting] = {
         ProcessorSetting("sage-int8", quant="int8"),
         ProcessorSetting("sage-int8-always", quant="int8", policy="always"),
         ProcessorSetting("sage-int8-smooth", quant="int8", smooth_k=True),
+        ProcessorSetting("sage-int8-k16", quant="int8", k_block=16),
         ProcessorSetting("sage-int8-k128", quant="int8", k_block=128),
         ProcessorSetting("sage-int8-k128-smooth", quant="int8", k_block=128, smooth_k=True),
         ProcessorSetting("sage-fp8", quant="fp8_e4m3"),

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import QuantConfig
+from ..config import DEFAULT_K_BLOCK, QuantConfig
 from ..routing.registry import AttentionCall, AttentionResult, Capabilities, Route, register_route
 
 __all__ = ["ReferenceResult", "ReferenceRoute", "reference_attention", "sage_quantize", "SageTensors", "P_FP8_SCALE",
@@ -109,6 +109,7 @@ def sage_quantize(
     ``smooth_v``: V less its per-(head, channel) mean before fp8, as the project's Hopper kernels quantize
     it (docs/design.md, "V's mean"); FlashInfer's quantizer does not.
     """
+    quant = quant.with_k_block(DEFAULT_K_BLOCK)
     v_mean = channel_mean(v) if smooth_v else None
     k = k.float()
     if quant.smooth_k:

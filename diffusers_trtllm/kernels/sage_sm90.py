@@ -28,10 +28,14 @@ if TYPE_CHECKING:  # triton_quant imports Triton, which this module leaves to fi
     from .triton_quant import TritonSage
 
 __all__ = ["SageSm90Route", "sage_sm90_attention", "sage_sm90_quantize", "sage_sm90_cubin", "sage_sm90_missing",
-           "kernel_name", "BLOCK_M", "BLOCK_N"]
+           "kernel_name", "BLOCK_M", "BLOCK_N", "K_BLOCK"]
 
 #: The skip rule's tiles: 64 query rows (one consumer warpgroup) x 128 keys.
 BLOCK_M, BLOCK_N = 64, 128
+#: The K block of a call that leaves ``k_block_size`` to the route: one K scale per KV tile, the faster of the
+#: kernel's blocks (H200: 1.400x / 1.494x cuDNN against 1.351x / 1.407x with 16 on wan_14b_480p / 720p, and a
+#: Wan2.1-14B forward 1.140x / 1.261x against 1.105x / 1.218x; docs/performance.md, third sweep).
+K_BLOCK = 128
 #: Query rows per CTA (two consumer warpgroups) and threads per CTA (with the producer warpgroup).
 _CTA_ROWS, _THREADS = 128, 384
 _SOURCE = "sage_sm90.cu"
@@ -86,10 +90,11 @@ def _check_call(q: torch.Tensor, k: torch.Tensor, quant: QuantConfig | None) -> 
 
 def sage_sm90_quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PackedLayout,
                        quant: QuantConfig) -> TritonSage:
-    """The kernel's inputs: the ``triton`` route's fused quantizer, with V's keys in this kernel's order."""
+    """The kernel's inputs: the ``triton`` route's fused quantizer, with V's keys in this kernel's order (K blocks
+    of ``K_BLOCK`` where ``quant`` leaves them to the route)."""
     from .triton_quant import sage_quantize_triton
 
-    return sage_quantize_triton(q, k, v, layout, quant, mma_key_order=True)
+    return sage_quantize_triton(q, k, v, layout, quant.with_k_block(K_BLOCK), mma_key_order=True)
 
 
 def sage_sm90_attention(
@@ -109,7 +114,8 @@ def sage_sm90_attention(
 
     ``defines`` builds the kernel with other compile-time knobs (``SAGE_SM90_STAGES=3``,
     ``SAGE_SM90_OVERLAP=0``); ``quantized``, what :func:`sage_sm90_quantize` made of these q, k, v, runs the
-    kernel alone: both for the benchmark's sweeps."""
+    kernel alone: both for the benchmark's sweeps. ``quant.k_block_size`` None takes ``K_BLOCK``."""
+    quant = quant.with_k_block(K_BLOCK)
     _check_call(q, k, quant)
     st = quantized if quantized is not None else sage_sm90_quantize(q, k, v, layout, quant)
     tokens_q, heads, dim = q.shape

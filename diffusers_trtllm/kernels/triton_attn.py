@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from ..config import QuantConfig
+from ..config import DEFAULT_K_BLOCK, QuantConfig
 from ..layout import PackedLayout
 from ..routing.registry import AttentionCall, AttentionResult, Capabilities, Route, device_sm, register_route
 
@@ -293,6 +293,7 @@ def kernel_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: P
     operands with ``describe(tensor, block)``; ``placeholder`` stands in for the scales without SAGE."""
     dim = q.shape[-1]
     if quant is not None and quant.enabled:
+        quant = quant.with_k_block(DEFAULT_K_BLOCK)
         st = triton_quant.sage_quantize_triton(q, k, v, layout, quant)
         return KernelOperands(
             (describe(st.q, [block_m, dim]), describe(st.k, [block_n, dim]), describe(st.vt, [dim, block_n])),

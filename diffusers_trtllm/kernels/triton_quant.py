@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..config import QuantConfig
+from ..config import DEFAULT_K_BLOCK, QuantConfig
 from ..layout import PackedLayout
 from .reference import AMAX_FLOOR, FP8_MAX, channel_mean
 
@@ -306,7 +306,8 @@ def sage_quantize_triton(
     mma_key_order: bool = False,
 ) -> TritonSage:
     """Quantize packed ``[tokens, heads, dim]`` Q, K, V for the ``triton`` route (``mma_key_order``: in the
-    ``sage-sm90`` kernel's key order)."""
+    ``sage-sm90`` kernel's key order; ``quant.k_block_size`` None: ``DEFAULT_K_BLOCK``)."""
+    quant = quant.with_k_block(DEFAULT_K_BLOCK)
     tokens_kv, kv_heads, dim = k.shape
     heads = q.shape[1]
     for name, x in (("q", q), ("k", k), ("v", v)):

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..config import BLOCK_SIZES
+from ..config import BLOCK_SIZES, DEFAULT_K_BLOCK
 from ..routing.registry import AttentionCall, AttentionResult, Capabilities, Route, device_sm, register_route
 from . import flashinfer_support
 
@@ -72,7 +72,7 @@ class TrtllmGenRoute(Route):
         if call.quant is not None:
             if call.quant.dtype_qk == "int8" and device_sm(call.q.device) not in INT8_SAGE_SMS:
                 reasons.append(f"int8 SAGE needs SM in {sorted(INT8_SAGE_SMS)}; use dtype_qk='fp8_e4m3'")
-            if call.quant.k_block_size not in BLOCK_SIZES:
+            if call.quant.k_block_size not in (None, *BLOCK_SIZES):
                 reasons.append(f"FlashInfer's SAGE kernels take k_block_size in {BLOCK_SIZES}, "
                                f"not {call.quant.k_block_size}")
             if _quantize_fn() is None or not _accepts_sage(_attention_fn()):
@@ -84,7 +84,7 @@ class TrtllmGenRoute(Route):
         q, k, v = call.q.contiguous(), call.k.contiguous(), call.v.contiguous()
         sage: dict[str, Any] = {}
         if call.quant is not None:
-            quant = call.quant
+            quant = call.quant.with_k_block(DEFAULT_K_BLOCK)
             quantized = _quantize_fn()(
                 q,
                 k,
