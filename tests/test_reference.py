@@ -239,3 +239,19 @@ def test_skip_with_a_shard_local_running_max_skips_a_subset(shards):
     assert ring.total_tiles == one.total_tiles
     assert 0 < ring.skipped_tiles < one.skipped_tiles
     assert rel_l1(ring.out, dense) < rel_l1(one.out, dense)
+
+
+def test_v_mean_taken_off_keeps_fp16_outputs_finite_at_its_limit():
+    """V full of values at fp16's limit: fp8's rounding of V less its mean can take an average past 65,504, which
+    an average of V cannot reach; the output is clamped there (as the kernels store it), NaN kept."""
+    gen = torch.Generator().manual_seed(7)
+    lens = (300, 517)
+    q, k, v = ((torch.randn(sum(lens), 2, 128, generator=gen) * 6e4).clamp(-65504, 65504).half() for _ in range(3))
+    cu = torch.tensor([0, 300, 817], dtype=torch.int32)
+    kw = dict(softmax_scale=128**-0.5, quant=QuantConfig("int8"), smooth_v=True)
+    wide = reference_attention(q.float(), k.float(), v.float(), cu, cu, lens, lens, **kw).out
+    assert wide.abs().max() > 65504  # the overshoot this guards against
+    out = reference_attention(q, k, v, cu, cu, lens, lens, **kw).out
+    assert out.dtype == torch.float16 and torch.isfinite(out).all()
+    v[5, 0, 0] = float("nan")
+    assert torch.isnan(reference_attention(q, k, v, cu, cu, lens, lens, **kw).out).any()

@@ -34,6 +34,7 @@ import torch
 from ..config import QuantConfig
 from ..layout import PackedLayout
 from ..routing.registry import AttentionCall, Capabilities, device_sm, register_route
+from .reference import FP16_MAX
 from .triton_attn import LOG2E, TritonAttentionOutput, TritonRoute, check_heads, kernel_operands, rows_view, tile_output
 
 __all__ = ["GluonRoute", "GluonConfig", "gluon_attention", "gluon_missing"]
@@ -105,7 +106,7 @@ if gluon is not None:
     _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
     _LOG2_P_SCALE = gl.constexpr(math.log2(448.0))
     _NEG_INF = gl.constexpr(float("-inf"))
-    _FP16_MAX = gl.constexpr(65504.0)  # SAGE outputs are clamped to it (NaN kept) before an fp16 store
+    _FP16_MAX = gl.constexpr(FP16_MAX)  # SAGE outputs are clamped to it (NaN kept) before an fp16 store
 
     @gluon.jit
     def _maximum_nan(a, b):

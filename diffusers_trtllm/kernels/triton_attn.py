@@ -87,12 +87,13 @@ if triton is not None:
     from . import triton_quant
     from triton.language.extra import libdevice
 
+    from .reference import FP16_MAX
     from .triton_quant import max_nan, round_fp8_grid, vt_start
 
     _LOG2_P_SCALE = tl.constexpr(math.log2(448.0))
     _LN2 = tl.constexpr(LN2)
     #: The largest finite fp16: SAGE outputs are clamped to it (NaN kept) before an fp16 store.
-    _FP16_MAX = tl.constexpr(65504.0)
+    _FP16_MAX = tl.constexpr(FP16_MAX)
 
     @triton.jit
     def _update(acc, l_i, m_i, s, q_row_scale, local, desc_v, v_row, v_col, SAGE: tl.constexpr,
