@@ -3,7 +3,7 @@
 Same semantics as ``triton_attn`` (ragged ``[tokens, heads, dim]`` with ``cu_seqlens``,
 non-causal, GQA, head dim 64/128, log2-domain online softmax, the skip-softmax tile
 rule, SAGE int8 QK with per-block scales and fp8 ``448 * p`` times fp8 ``V^T`` with
-per-channel scales, reading ``triton_quant``'s layouts), with the schedule written out
+per-channel scales and its mean added back, reading ``triton_quant``'s layouts), with the schedule written out
 explicitly instead of left to Triton's pipeliner:
 
 - a 1-warp *loader* partition streams K and V tiles with TMA into a ``STAGES``-deep

@@ -1,12 +1,13 @@
 """``sage-sm90`` route: the project's CUDA C++ int8 SAGE + skip-softmax kernel for Hopper (H100, H200).
 
 ``csrc/sage_sm90.cu`` is an FA3-style kernel (a TMA producer warp, two consumer warpgroups, wgmma int8
-Q·Kᵀ and fp8 P·V with two-level fp32 accumulation) written for sm_90a. It is compiled with ``nvcc`` at
-first use and cached (``cuda_jit``); without ``nvcc`` the route reports that as its reason.
+Q·Kᵀ and fp8 P·V, the row sums added in fp32) written for sm_90a. It is compiled with ``nvcc`` at first use
+and cached (``cuda_jit``); without ``nvcc`` the route reports that as its reason.
 
-Semantics are the reference's with ``tile_q = 64`` and ``tile_kv = 128``: SAGE as docs/design.md
-defines it (int8 Q/K with per-block scales, ``smooth_k``, fp8 V per channel, P as ``448 * p`` in fp8),
-quantized by the ``triton`` route's fused quantizer with V's keys in this kernel's register order.
+Semantics are the reference's with ``tile_q = 64``, ``tile_kv = 128`` and ``smooth_v``: SAGE as
+docs/design.md defines it (int8 Q/K with per-block scales, K blocks of ``K_BLOCK`` where the call leaves
+them to the route, ``smooth_k``, fp8 V per channel less its mean, P as ``448 * p`` in fp8), quantized by the
+``triton`` route's fused quantizer with V's keys in this kernel's register order.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """``triton`` route: the project's own forward attention kernel, for SM80 and newer.
 
 One kernel serves dense bf16/fp16, SAGE (int8 or fp8 e4m3 QK with per-block
-scales, fp8 P·V with per-channel V scales; see ``triton_quant``) and the
+scales, fp8 P·V with per-channel V scales, V less its mean which the epilogue adds back; see
+``triton_quant``) and the
 skip-softmax tile rule, over ragged batches (``cu_seqlens``), non-causal, head
 dim 64 or 128. It exists because FlashInfer's SAGE kernels need SM100+: on
 Hopper (and Ampere/Ada) this is the only route that serves ``quant=...``.
