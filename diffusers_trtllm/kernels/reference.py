@@ -112,9 +112,7 @@ def sage_quantize(
     """
     quant = quant.with_k_block(DEFAULT_K_BLOCK)
     v_mean = channel_mean(v) if smooth_v else None
-    k = k.float()
-    if quant.smooth_k:
-        k = k - k.mean(dim=0, keepdim=True)
+    k = k.float() - channel_mean(k) if quant.smooth_k else k.float()
     q_ids, nq = block_ids(cu_seqlens_q, q_lens, quant.q_block_size)
     k_ids, nk = block_ids(cu_seqlens_kv, kv_lens, quant.k_block_size)
     q_q, q_scale = _quantize_blocks(q, q_ids, nq, quant.qk_max, quant.qk_dtype)
