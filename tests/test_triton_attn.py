@@ -314,7 +314,7 @@ def test_rejects_unsupported_head_dim():
     (90, "int8", True, False), (90, "fp8_e4m3", False, True), (80, "int8", False, False)])
 def test_quantizer_compiles_for_the_gpu(sm, dtype_qk, mma_key_order, smooth_k):
     """The one-launch quantizer through Triton's whole GPU pipeline (to PTX and cubin) without a GPU: the
-    interpreter above checks its values, not that its layouts (the V programs' [V_CHANNELS x V_BLOCK_T] fp8 transpose
+    interpreter above checks its values, not that its layouts (the V tiles' fp8 transpose
     and masked stores) lower for a real target. SM80 has no fp8: V is kept in fp16 there."""
     pytest.importorskip("triton")
     import triton
@@ -328,12 +328,11 @@ def test_quantizer_compiles_for_the_gpu(sm, dtype_qk, mma_key_order, smooth_k):
     qk = torch.int8 if dtype_qk == "int8" else torch.float8_e4m3fn
     bf16, f32, i32 = (torch.empty(16, dtype=t) for t in (torch.bfloat16, torch.float32, torch.int32))
     quantized, vt = torch.empty(16, dtype=qk), torch.empty(16, dtype=torch.float8_e4m3fn if native else torch.float16)
-    runtime = (bf16, bf16, bf16, quantized, quantized, vt, f32, f32, f32, f32, f32, i32, i32,
-               7, 7, 4, 4, 512, 300, 2, 10, 512, 128, 256, 128, 256, 128)
-    constexprs = dict(H=4, HKV=2, D=128, BLOCK_T=triton_quant.QUANT_BLOCK_T, Q_BS=1, K_BS=16,
+    runtime = (bf16, bf16, bf16, quantized, quantized, vt, f32, f32, f32, f32, f32, bf16, bf16, i32, i32,
+               7, 7, 4, 2, 4, 512, 2, 512, 128, 256, 128, 256, 128)
+    constexprs = dict(H=4, HKV=2, D=128, BLOCK_T=triton_quant.QUANT_BLOCK_T, BLOCK_K=128, Q_BS=1, K_BS=16,
                       QMAX=127 if dtype_qk == "int8" else 448, IS_INT8=dtype_qk == "int8", SMOOTH_K=smooth_k,
-                      NATIVE=native, MMA_KEY_ORDER=mma_key_order, V_CH=triton_quant.V_CHANNELS,
-                      V_BLOCK=triton_quant.V_BLOCK_T)
+                      NATIVE=native, MMA_KEY_ORDER=mma_key_order)
     for kernel, args, consts in [(triton_quant._sage_quant_kernel, runtime, constexprs)]:
         signature = {name: mangle_type(arg) for name, arg in zip(kernel.arg_names, args)}
         signature.update({name: "constexpr" for name in consts})

@@ -2,18 +2,15 @@
 
 Produces docs/design.md's layout (the one ``reference.sage_quantize`` defines): Q/K int8
 or fp8 e4m3 with one scale per (head, block of consecutive tokens of one
-sequence), V fp8 e4m3 with one scale per (head, channel). One kernel launch does it
-all (with ``smooth_k``, a torch mean of K over all tokens runs first), on a 1D grid:
-first one program per (KV head, block of ``V_CHANNELS`` channels) that reads its
-channels over every token twice, once for the channels' amax (their scales) and once
-to quantize, so no reduction has to finish before the launch; then programs for the
-Q tiles and the K tiles of every sequence (tile fastest, then sequence, then head).
-The V programs are the launch's longest work, so they come first in program-id order:
-they start at once and the short Q/K tiles fill the GPU beside them, instead of the
-last head's V programs running as a serial tail. (V by token tiles, their amax folded
-into the scales by an atomic max and a second launch to quantize, measured twice as slow
-on the H200: docs/design.md, "The quantizer".) V is quantized less its per-(head,
-channel) mean (``smooth_v``), which the attention kernels add back to their output.
+sequence), V fp8 e4m3 with one scale per (head, channel), V less its per-(head, channel) mean
+(``smooth_v``), which the attention kernels add back to their output. Three torch reductions over the tokens
+run first (V's mean, V's per-channel min and max, and K's mean with ``smooth_k``), then one kernel launch
+quantizes everything on a 1D grid of equal tiles: per (head, sequence) its Q tiles, K tiles and V tiles of
+consecutive tokens, each read once, coalesced. V's channel scales need its amax less the mean over every token
+before any V tile can be quantized; the min and max give it exactly (``_quantize_v_rows``), so no reduction runs
+inside the launch. (Two earlier layouts measured slower on the H200, docs/design.md, "The quantizer": V by
+channel programs that read all tokens twice, a long serial path per program; and V by token tiles folding
+their amax into the scales by an atomic max, then a second launch.)
 
 V is written transposed, ``[kv_heads * dim, padded tokens]``, because Hopper's
 fp8 tensor-core product needs the reduction dimension (tokens, in P·V)
@@ -48,13 +45,11 @@ from .reference import AMAX_FLOOR, FP8_MAX, channel_mean
 
 __all__ = ["TritonSage", "sage_quantize_triton", "mma_key_column", "fp8_native", "interpreting", "round_fp8_grid", "vt_start", "max_nan"]
 
-#: Tokens per program of the quantization kernel (a multiple of every Q block size; K blocks of 128 take
-#: tiles of 128).
+#: Tokens per Q or V program of the quantization kernel (a multiple of every Q block size; K programs take
+#: max(this, the K block): a tile starts whole blocks).
 QUANT_BLOCK_T = 64
-#: V's channels per program, and the tokens it reads at a time; with the warps per program, the fastest
-#: setting measured on the H200 (benchmarks/results/quantizer_h200_v_first.md: 1.56 / 3.54 / 0.21 ms on
-#: wan_14b_480p / wan_14b_720p / flux_1024, against 2.30 / 5.38 / 0.39 ms at 16 channels and 4 warps).
-V_CHANNELS, V_BLOCK_T = 8, 128
+#: The most columns ``vt_start`` leaves between a sequence's last key and the next sequence's first (17 the least).
+VT_GAP_MAX = 47
 #: Warps per program.
 QUANT_WARPS = 8
 _AMAX_FLOOR, _FP8_MAX = tl.constexpr(AMAX_FLOOR), tl.constexpr(FP8_MAX)
@@ -130,6 +125,14 @@ def mma_key_column(col):
 
 
 @triton.jit
+def mma_column_key(col):
+    """The key stored at column ``col`` in the ``sage-sm90`` order (``mma_key_column``'s inverse): within its
+    aligned group of 16, column ``4t + 2h + e`` holds key ``8h + 2t + e``."""
+    c = col % 16
+    return col - c + 8 * ((c // 2) % 2) + 2 * (c // 4) + c % 2
+
+
+@triton.jit
 def _maximum_nan(a, b):
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
@@ -181,34 +184,31 @@ def _quantize_tile(x, QMAX: tl.constexpr, BS: tl.constexpr, BLOCK_T: tl.constexp
 @triton.jit
 def _sage_quant_kernel(
     q_ptr, k_ptr, v_ptr, qo_ptr, ko_ptr, vt_ptr,
-    q_scale_ptr, k_scale_ptr, v_scale_ptr, k_mean_ptr, v_mean_ptr,
+    q_scale_ptr, k_scale_ptr, v_scale_ptr, k_mean_ptr, v_mean_ptr, v_min_ptr, v_max_ptr,
     cu_q_ptr, cu_kv_ptr,
-    n_q_blocks, n_k_blocks, n_q_tiles, n_kv_tiles, vt_stride, tokens_kv, num_seqs, n_v_programs,
+    n_q_blocks, n_k_blocks, n_q_tiles, n_k_tiles, n_v_tiles, vt_stride, num_seqs,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-    H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
+    H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
     Q_BS: tl.constexpr, K_BS: tl.constexpr, QMAX: tl.constexpr, IS_INT8: tl.constexpr,
     SMOOTH_K: tl.constexpr, NATIVE: tl.constexpr, MMA_KEY_ORDER: tl.constexpr,
-    V_CH: tl.constexpr, V_BLOCK: tl.constexpr,
 ):
-    # 1D grid, V programs first: they are the launch's longest work (each reads all tokens twice), so they start
-    # at once and the short Q/K tiles fill the GPU beside them (``sage_quantize_triton`` sizes the grid).
+    # 1D grid of equal tiles: per (head, sequence), its Q tiles, then its K tiles, then its V tiles (tile fastest).
     pid = tl.program_id(0)
-    if pid < n_v_programs:
-        # V's channels (pid % n_v) * V_CH ... of KV head pid // n_v, n_v = D // V_CH
-        _quantize_v_channels(v_ptr, v_mean_ptr, vt_ptr, v_scale_ptr, cu_kv_ptr, (pid % (D // V_CH)) * V_CH, pid // (D // V_CH),
-                             tokens_kv, num_seqs, vt_stride, stride_vt, stride_vh, D, NATIVE, MMA_KEY_ORDER, V_CH, V_BLOCK)
-    else:  # a Q or K tile: tile fastest, then sequence, then head
-        r = pid - n_v_programs
-        tile = r % (n_q_tiles + n_kv_tiles)
-        r = r // (n_q_tiles + n_kv_tiles)
-        seq = r % num_seqs
-        head = r // num_seqs
-        if tile < n_q_tiles:  # a Q tile of this sequence
-            _quantize_rows(q_ptr, stride_qt, stride_qh, qo_ptr, H, q_scale_ptr, n_q_blocks, k_mean_ptr, cu_q_ptr, seq,
-                           head, tile * BLOCK_T, D, BLOCK_T, Q_BS, QMAX, IS_INT8, NATIVE, False)
-        elif head < HKV:  # a K tile of this sequence
+    tiles = n_q_tiles + n_k_tiles + n_v_tiles
+    tile = pid % tiles
+    seq = (pid // tiles) % num_seqs
+    head = pid // (tiles * num_seqs)
+    if tile < n_q_tiles:
+        _quantize_rows(q_ptr, stride_qt, stride_qh, qo_ptr, H, q_scale_ptr, n_q_blocks, k_mean_ptr, cu_q_ptr, seq,
+                       head, tile * BLOCK_T, D, BLOCK_T, Q_BS, QMAX, IS_INT8, NATIVE, False)
+    elif head < HKV:
+        if tile < n_q_tiles + n_k_tiles:
             _quantize_rows(k_ptr, stride_kt, stride_kh, ko_ptr, HKV, k_scale_ptr, n_k_blocks, k_mean_ptr, cu_kv_ptr, seq,
-                           head, (tile - n_q_tiles) * BLOCK_T, D, BLOCK_T, K_BS, QMAX, IS_INT8, NATIVE, SMOOTH_K)
+                           head, (tile - n_q_tiles) * BLOCK_K, D, BLOCK_K, K_BS, QMAX, IS_INT8, NATIVE, SMOOTH_K)
+        else:
+            _quantize_v_rows(v_ptr, stride_vt, stride_vh, vt_ptr, vt_stride, v_scale_ptr, v_mean_ptr, v_min_ptr,
+                             v_max_ptr, cu_kv_ptr, seq, head, (tile - n_q_tiles - n_k_tiles) * BLOCK_T, D, BLOCK_T,
+                             NATIVE, MMA_KEY_ORDER)
 
 
 @triton.jit
@@ -236,34 +236,39 @@ def _quantize_rows(x_ptr, stride_t, stride_h, out_ptr, OUT_HEADS: tl.constexpr, 
 
 
 @triton.jit
-def _quantize_v_channels(v_ptr, v_mean_ptr, vt_ptr, v_scale_ptr, cu_kv_ptr, ch0, head, tokens_kv, num_seqs, vt_stride, stride_vt,
-                         stride_vh, D: tl.constexpr, NATIVE: tl.constexpr, MMA_KEY_ORDER: tl.constexpr,
-                         V_CH: tl.constexpr, V_BLOCK: tl.constexpr):
-    """V's channels ``ch0 .. ch0 + V_CH - 1`` of one head less their mean: their scales, from the amax over every token
-    (tokens outside any sequence included, as ``reference.sage_quantize``'s), then each sequence's values
-    in fp8, transposed, from column ``vt_start``, and the gap up to the next sequence's start zeroed (an
-    empty sequence's too: a neighbour's masked last tile reads it)."""
-    ch = ch0 + tl.arange(0, V_CH)
-    toks = tl.arange(0, V_BLOCK)
-    columns = v_ptr + head * stride_vh + ch[None, :]
-    mean = tl.load(v_mean_ptr + head * D + ch)[None, :]
-    amax = tl.zeros([V_CH], dtype=tl.float32)
-    for t0 in range(0, tokens_kv, V_BLOCK):
-        ok = (t0 + toks) < tokens_kv
-        x = tl.load(columns + (t0 + toks)[:, None].to(tl.int64) * stride_vt, mask=ok[:, None], other=0.0)
-        amax = _maximum_nan(amax, max_nan(tl.abs(_less_mean(x, mean, ok[:, None])), 0))
-    scale = _v_scale(amax)
-    tl.store(v_scale_ptr + head * D + ch, scale)
-    v_rows = vt_ptr + (head * D + ch)[:, None].to(tl.int64) * vt_stride
-    for seq in range(num_seqs):
-        start = tl.load(cu_kv_ptr + seq)
-        length = tl.load(cu_kv_ptr + seq + 1) - start
-        first = vt_start(seq, start)
-        for local in range(0, length, V_BLOCK):
-            ok = (local + toks) < length
-            x = tl.load(columns + (start + local + toks)[:, None].to(tl.int64) * stride_vt, mask=ok[:, None], other=0.0)
-            _store_vt(v_rows, _less_mean(x, mean, ok[:, None]), scale, first + local + toks, ok, NATIVE, MMA_KEY_ORDER)
-        _zero_vt_gap(v_rows, seq, start, length, toks, V_CH, V_BLOCK, MMA_KEY_ORDER)
+def _quantize_v_rows(v_ptr, stride_t, stride_h, vt_ptr, vt_stride, v_scale_ptr, v_mean_ptr, v_min_ptr, v_max_ptr,
+                     cu_ptr, seq, head, local, D: tl.constexpr, BLOCK_T: tl.constexpr, NATIVE: tl.constexpr,
+                     MMA_KEY_ORDER: tl.constexpr):
+    """Columns ``local .. local + BLOCK_T - 1`` of one head of sequence ``seq`` in the transposed V: V less its mean
+    in fp8 where the column holds a key, zeros in the gap up to the next sequence's start (the grid's V tiles
+    cover that whole span, so a neighbour's masked last KV tile reads zeros there).
+
+    The tile gathers the keys in column order and stores whole rows of columns, so the stores are contiguous
+    in either key order. The channels' scales come from V's per-channel extremes over every token
+    (``sage_quantize_triton``): ``max |fl(x - mean)|`` is ``max(fl(max - mean), fl(mean - min))`` exactly,
+    rounding being monotone and symmetric, so no reduction over the tokens has to run in this launch."""
+    dims = tl.arange(0, D)
+    mean = tl.load(v_mean_ptr + head * D + dims)
+    vmax = tl.load(v_max_ptr + head * D + dims).to(tl.float32)
+    vmin = tl.load(v_min_ptr + head * D + dims).to(tl.float32)
+    scale = _v_scale(_maximum_nan(vmax - mean, mean - vmin))
+    if (seq == 0) & (local == 0):
+        tl.store(v_scale_ptr + head * D + dims, scale)
+    start = tl.load(cu_ptr + seq)
+    length = tl.load(cu_ptr + seq + 1) - start
+    first = vt_start(seq, start)
+    span = vt_start(seq + 1, start + length) - first
+    if local < span:
+        cols = tl.arange(0, BLOCK_T)  # local is a multiple of 16: the key order permutes within the tile
+        keys = local + (mma_column_key(cols) if MMA_KEY_ORDER else cols)
+        ok = keys < length
+        x = tl.load(v_ptr + (start + keys)[:, None].to(tl.int64) * stride_t + head * stride_h + dims[None, :],
+                    mask=ok[:, None], other=0.0)
+        y = tl.math.div_rn(_less_mean(x, mean[None, :], ok[:, None]), scale[None, :])
+        y = round_fp8_grid(tl.clamp(y, -448.0, 448.0))
+        vq = tl.trans(y.to(tl.float8e4nv) if NATIVE else y.to(tl.float16))  # [channels, columns]
+        v_rows = vt_ptr + (head * D + dims)[:, None].to(tl.int64) * vt_stride
+        tl.store(v_rows + (first + local + cols)[None, :], vq, mask=(local + cols < span)[None, :])
 
 
 @triton.jit
@@ -276,29 +281,6 @@ def _less_mean(x, mean, ok):
 def _v_scale(amax):
     """V's per-channel scale from its amax (NaN stays NaN)."""
     return tl.math.div_rn(tl.maximum(amax, _AMAX_FLOOR, propagate_nan=tl.PropagateNan.ALL), _FP8_MAX)
-
-
-@triton.jit
-def _store_vt(v_rows, x, scale, cols, ok, NATIVE: tl.constexpr, MMA_KEY_ORDER: tl.constexpr):
-    """V values ``x`` (``[tokens, channels]``) in fp8 by their channels' ``scale``, stored transposed at key
-    columns ``cols`` of the channels' rows ``v_rows``."""
-    y = round_fp8_grid(tl.clamp(tl.math.div_rn(x, scale[None, :]), -448.0, 448.0))
-    vq = tl.trans(y.to(tl.float8e4nv) if NATIVE else y.to(tl.float16))  # [channels, tokens]: tokens contiguous
-    if MMA_KEY_ORDER:
-        cols = mma_key_column(cols)
-    tl.store(v_rows + cols[None, :], vq, mask=ok[None, :])
-
-
-@triton.jit
-def _zero_vt_gap(v_rows, seq, start, length, toks, CH: tl.constexpr, T: tl.constexpr, MMA_KEY_ORDER: tl.constexpr):
-    """Zero the transposed V's columns between sequence ``seq``'s last key and the next sequence's start
-    (17 .. 47 columns, so ``T`` >= 48)."""
-    first = vt_start(seq, start)
-    gap = vt_start(seq + 1, start + length) - first - length
-    cols = first + length + toks
-    if MMA_KEY_ORDER:
-        cols = mma_key_column(cols)
-    tl.store(v_rows + cols[None, :], tl.zeros([CH, T], dtype=v_rows.dtype.element_ty), mask=(toks < gap)[None, :])
 
 
 def sage_quantize_triton(
@@ -322,6 +304,7 @@ def sage_quantize_triton(
     v_scale = torch.empty(kv_heads, dim, dtype=torch.float32, device=q.device)  # written by the kernel
     k_mean = channel_mean(k) if quant.smooth_k else v_scale  # (unused without smooth_k)
     v_mean = channel_mean(v)  # smooth_v, always (docs/design.md, "V's mean")
+    v_min, v_max = torch.aminmax(v, dim=0)  # with v_mean, the channels' amax less their mean: V's scales
     padded = vt_start.fn(layout.num_seqs, tokens_kv)
     out = TritonSage(
         q=torch.empty(q.shape, dtype=qk_dtype, device=q.device),
@@ -333,21 +316,22 @@ def sage_quantize_triton(
         v_mean=v_mean,
         mma_key_order=mma_key_order,
     )
-    block_t = max(QUANT_BLOCK_T, quant.k_block_size)  # a tile starts whole blocks (_quantize_tile)
-    n_q_tiles = triton.cdiv(layout.max_seqlen_q, block_t)
-    n_kv_tiles = triton.cdiv(layout.max_seqlen_kv, block_t)
-    # V's programs come first on the grid, one per block of channels; then the Q/K tiles of every (sequence, head).
-    n_v_programs = kv_heads * (dim // V_CHANNELS)
-    grid = (n_v_programs + (n_q_tiles + n_kv_tiles) * layout.num_seqs * heads,)
+    # Q tiles of QUANT_BLOCK_T tokens, K tiles of at least a K block (a tile starts whole blocks:
+    # _quantize_tile), V tiles of QUANT_BLOCK_T columns over a sequence's keys and the gap after them.
+    block_k = max(QUANT_BLOCK_T, quant.k_block_size)
+    n_q_tiles = triton.cdiv(layout.max_seqlen_q, QUANT_BLOCK_T)
+    n_k_tiles = triton.cdiv(layout.max_seqlen_kv, block_k)
+    n_v_tiles = triton.cdiv(layout.max_seqlen_kv + VT_GAP_MAX, QUANT_BLOCK_T)
+    grid = ((n_q_tiles + n_k_tiles + n_v_tiles) * layout.num_seqs * heads,)
     _sage_quant_kernel[grid](
         q, k, v, out.q, out.k, out.vt,
-        out.q_scale, out.k_scale, v_scale, k_mean, v_mean,
+        out.q_scale, out.k_scale, v_scale, k_mean, v_mean, v_min, v_max,
         layout.cu_seqlens_q, layout.cu_seqlens_kv,
-        n_q_blocks, n_k_blocks, n_q_tiles, n_kv_tiles, padded, tokens_kv, layout.num_seqs, n_v_programs,
+        n_q_blocks, n_k_blocks, n_q_tiles, n_k_tiles, n_v_tiles, padded, layout.num_seqs,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        H=heads, HKV=kv_heads, D=dim, BLOCK_T=block_t,
+        H=heads, HKV=kv_heads, D=dim, BLOCK_T=QUANT_BLOCK_T, BLOCK_K=block_k,
         Q_BS=quant.q_block_size, K_BS=quant.k_block_size, QMAX=quant.qk_max,
         IS_INT8=qk_dtype == torch.int8, SMOOTH_K=quant.smooth_k, NATIVE=native, MMA_KEY_ORDER=mma_key_order,
-        V_CH=V_CHANNELS, V_BLOCK=V_BLOCK_T, num_warps=QUANT_WARPS,
+        num_warps=QUANT_WARPS,
     )
     return out
