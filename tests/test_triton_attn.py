@@ -10,9 +10,11 @@ runs through the kernels' non-native path (e4m3 rounding done in fp32), as on SM
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -315,7 +317,11 @@ def test_rejects_unsupported_head_dim():
 def test_quantizer_compiles_for_the_gpu(sm, dtype_qk, mma_key_order, smooth_k):
     """The one-launch quantizer through Triton's whole GPU pipeline (to PTX and cubin) without a GPU: the
     interpreter above checks its values, not that its layouts (the V tiles' fp8 transpose
-    and masked stores) lower for a real target. SM80 has no fp8: V is kept in fp16 there."""
+    and masked stores) lower for a real target. SM80 has no fp8: V is kept in fp16 there.
+
+    Compiled with the specialization a launch gets (pointers and integers divisible by 16 marked so), every
+    store of quantized values is a 16-byte vector: a V tile that stored its columns in the key order
+    scattered single bytes and ran three times slower on the H200 (docs/design.md, "The quantizer")."""
     pytest.importorskip("triton")
     import triton
     from triton.backends.compiler import GPUTarget
@@ -336,14 +342,18 @@ def test_quantizer_compiles_for_the_gpu(sm, dtype_qk, mma_key_order, smooth_k):
     for kernel, args, consts in [(triton_quant._sage_quant_kernel, runtime, constexprs)]:
         signature = {name: mangle_type(arg) for name, arg in zip(kernel.arg_names, args)}
         signature.update({name: "constexpr" for name in consts})
+        aligned = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(args)
+                   if isinstance(arg, torch.Tensor) or (isinstance(arg, int) and arg % 16 == 0)}
         try:
-            compiled = triton.compile(ASTSource(kernel, signature, consts), target=GPUTarget("cuda", sm, 32),
+            compiled = triton.compile(ASTSource(kernel, signature, consts, aligned), target=GPUTarget("cuda", sm, 32),
                                       options=dict(num_warps=triton_quant.QUANT_WARPS))
         except Exception as exc:  # a Triton without the CUDA backend, not a kernel bug
             if "backend" in str(exc).lower() and "cuda" in str(exc).lower():
                 pytest.skip(f"this Triton cannot compile for CUDA: {exc}")
             raise
         assert compiled.asm["cubin"] and "st.global" in compiled.asm["ptx"]
+        stores = collections.Counter(re.findall(r"st\.global(?:\.v\d)?\.b\d+", compiled.asm["ptx"]))
+        assert set(stores) <= {"st.global.v4.b32", "st.global.b32"}, stores  # vectors, and the scales (fp32)
 
 
 if __name__ == "__main__":
