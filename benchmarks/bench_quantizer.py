@@ -106,7 +106,7 @@ def markdown(result: dict) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="wan_14b_480p,wan_14b_720p,flux_1024")
-    p.add_argument("--block-t", default="64,128", help="tokens per Q/V program (48 at least: a V tile zeroes its gap)")
+    p.add_argument("--block-t", default="64,128", help="tokens per Q/V program (multiples of 16)")
     p.add_argument("--warps", default="4,8")
     p.add_argument("--k-blocks", default="16,128", help="SAGE k_block_size values (128: K tiles of 128 tokens)")
     p.add_argument("--baseline", default=None, help="another triton_quant.py to time beside these settings")

@@ -79,8 +79,34 @@ def _check_quantize(dtype_qk, q_block, k_block, smooth_k, lens_q=LENS_Q, lens_kv
     assert torch.all(got.vt[:, ~used].float() == 0)
 
 
+def _check_quantize_nonfinite_v(value, mma_key_order):
+    """A NaN or inf in one channel of V makes that channel's scale NaN (attention's output there turns NaN, as
+    torch's does); the gaps between sequences stay zero even in that channel (0 / NaN is NaN: the V tiles must
+    write zeros there, not quantize them), and the other channels' scales are the reference's."""
+    from diffusers_trtllm.config import QuantConfig
+    from diffusers_trtllm.kernels.reference import sage_quantize
+    from diffusers_trtllm.kernels.triton_quant import mma_key_column, sage_quantize_triton, vt_start
+
+    gen = torch.Generator().manual_seed(3)
+    lens = (33, 70)
+    layout = _layout(lens, lens)
+    q, k, v = (torch.randn(sum(lens), 2, 64, generator=gen).half() for _ in range(3))
+    v[3, 0, 5] = value
+    quant = QuantConfig("int8", 1, 16)
+    got = sage_quantize_triton(q, k, v, layout, quant, mma_key_order=mma_key_order)
+    ref = sage_quantize(q, k, v, layout.cu_seqlens_q, layout.cu_seqlens_kv, lens, lens, quant, smooth_v=True)
+    assert torch.isnan(got.v_scale[0, 5])
+    finite = ~torch.isnan(ref.v_scale)
+    assert torch.equal(got.v_scale[finite], ref.v_scale[finite]) and finite.sum() == finite.numel() - 1
+    used = torch.zeros(got.vt.shape[1], dtype=torch.bool)
+    for b, (start, n) in enumerate(zip(layout.cu_seqlens_kv.tolist(), lens)):
+        cols = torch.arange(n) + vt_start.fn(b, start)
+        used[mma_key_column.fn(cols) if mma_key_order else cols] = True
+    assert torch.all(got.vt[:, ~used].float() == 0), "gap columns not zero"
+
+
 def _check_quantize_properties():
-    """Hypothesis draws of ragged KV lengths (empty and short sequences, several V reads of 128 tokens,
+    """Hypothesis draws of ragged KV lengths (empty and short sequences, several V tiles of 64 columns,
     lengths off the 16-column grid), block sizes and both key orders: bit-equal to the reference, gaps zero."""
     from hypothesis import HealthCheck, example, given, settings
     from hypothesis import strategies as st
@@ -89,7 +115,7 @@ def _check_quantize_properties():
               suppress_health_check=[HealthCheck.too_slow])
     @example([5, 0, 130], (1, 16), False, True)  # a sequence shorter than a K block, an empty one
     @example([0, 17, 128], (4, 4), True, False)
-    @example([130, 300], (1, 128), True, True)  # 128-key blocks: quantizer tiles of 128 tokens, blocks cut short
+    @example([130, 300], (1, 128), True, True)  # 128-key blocks: K tiles of 128 tokens, blocks cut short
     @given(st.lists(st.integers(0, 300), min_size=1, max_size=4).filter(any),
            st.sampled_from([(1, 16), (4, 4), (16, 1), (1, 128)]), st.booleans(), st.booleans())
     def check(lens_kv, blocks, smooth_k, mma_key_order):
@@ -222,6 +248,8 @@ CASES = {
     },
     # An empty KV sequence between two others: its gap is zeroed too (the previous one's last tile reads it).
     "quantize-int8-empty-kv-sequence": (_check_quantize, ("int8", 1, 16, False, (37, 0, 70), (45, 0, 100))),
+    **{f"quantize-v-{value}-{'mma' if mma else 'plain'}-order": (_check_quantize_nonfinite_v, (value, mma))
+       for value in (math.nan, math.inf) for mma in (False, True)},
     "quantize-hypothesis-vs-reference": (_check_quantize_properties, ()),
     "dense-fp32-d64-gqa": (_check_attention, (torch.float32, 64, 2, None, None)),
     "dense-fp16-d128": (_check_attention, (torch.float16, 128, 4, None, None)),
@@ -312,9 +340,10 @@ def test_rejects_unsupported_head_dim():
         triton_attention(q, q, q, _layout((8,), (8,)), softmax_scale=0.1)
 
 
-@pytest.mark.parametrize("sm,dtype_qk,mma_key_order,smooth_k", [
-    (90, "int8", True, False), (90, "fp8_e4m3", False, True), (80, "int8", False, False)])
-def test_quantizer_compiles_for_the_gpu(sm, dtype_qk, mma_key_order, smooth_k):
+@pytest.mark.parametrize("sm,dtype_qk,mma_key_order,smooth_k,k_block", [
+    (90, "int8", True, False, 128), (90, "int8", True, False, 16), (90, "fp8_e4m3", False, True, 16),
+    (80, "int8", False, False, 16)])
+def test_quantizer_compiles_for_the_gpu(sm, dtype_qk, mma_key_order, smooth_k, k_block):
     """The one-launch quantizer through Triton's whole GPU pipeline (to PTX and cubin) without a GPU: the
     interpreter above checks its values, not that its layouts (the V tiles' fp8 transpose
     and masked stores) lower for a real target. SM80 has no fp8: V is kept in fp16 there.
@@ -336,7 +365,8 @@ def test_quantizer_compiles_for_the_gpu(sm, dtype_qk, mma_key_order, smooth_k):
     quantized, vt = torch.empty(16, dtype=qk), torch.empty(16, dtype=torch.float8_e4m3fn if native else torch.float16)
     runtime = (bf16, bf16, bf16, quantized, quantized, vt, f32, f32, f32, f32, f32, bf16, bf16, i32, i32,
                7, 7, 4, 2, 4, 512, 2, 512, 128, 256, 128, 256, 128)
-    constexprs = dict(H=4, HKV=2, D=128, BLOCK_T=triton_quant.QUANT_BLOCK_T, BLOCK_K=128, Q_BS=1, K_BS=16,
+    constexprs = dict(H=4, HKV=2, D=128, BLOCK_T=triton_quant.QUANT_BLOCK_T,
+                      BLOCK_K=max(triton_quant.QUANT_BLOCK_T, k_block), Q_BS=1, K_BS=k_block,
                       QMAX=127 if dtype_qk == "int8" else 448, IS_INT8=dtype_qk == "int8", SMOOTH_K=smooth_k,
                       NATIVE=native, MMA_KEY_ORDER=mma_key_order)
     for kernel, args, consts in [(triton_quant._sage_quant_kernel, runtime, constexprs)]:

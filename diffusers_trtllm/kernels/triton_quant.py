@@ -5,8 +5,8 @@ or fp8 e4m3 with one scale per (head, block of consecutive tokens of one
 sequence), V fp8 e4m3 with one scale per (head, channel), V less its per-(head, channel) mean
 (``smooth_v``), which the attention kernels add back to their output. Three torch reductions over the tokens
 run first (V's mean, V's per-channel min and max, and K's mean with ``smooth_k``), then one kernel launch
-quantizes everything on a 1D grid of equal tiles: per (head, sequence) its Q tiles, K tiles and V tiles of
-consecutive tokens, each read once, coalesced. V's channel scales need its amax less the mean over every token
+quantizes everything on a 1D grid of tiles: per (head, sequence) its Q tiles, K tiles and V tiles of
+consecutive tokens (64, K tiles a K block when that is longer), each read once, coalesced. V's channel scales need its amax less the mean over every token
 before any V tile can be quantized; the min and max give it exactly (``_quantize_v_rows``), so no reduction runs
 inside the launch. (Two earlier layouts measured slower on the H200, docs/design.md, "The quantizer": V by
 channel programs that read all tokens twice, a long serial path per program; and V by token tiles folding
@@ -45,8 +45,8 @@ from .reference import AMAX_FLOOR, FP8_MAX, channel_mean
 
 __all__ = ["TritonSage", "sage_quantize_triton", "mma_key_column", "fp8_native", "interpreting", "round_fp8_grid", "vt_start", "max_nan"]
 
-#: Tokens per Q or V program of the quantization kernel (a multiple of every Q block size; K programs take
-#: max(this, the K block): a tile starts whole blocks).
+#: Tokens per Q or V program of the quantization kernel: a multiple of every Q block size (K programs take
+#: max(this, the K block): a tile starts whole blocks) and of 16 (V's key order permutes within groups of 16).
 QUANT_BLOCK_T = 64
 #: The most columns ``vt_start`` leaves between a sequence's last key and the next sequence's first (17 the least).
 VT_GAP_MAX = 47
@@ -192,7 +192,7 @@ def _sage_quant_kernel(
     Q_BS: tl.constexpr, K_BS: tl.constexpr, QMAX: tl.constexpr, IS_INT8: tl.constexpr,
     SMOOTH_K: tl.constexpr, NATIVE: tl.constexpr, MMA_KEY_ORDER: tl.constexpr,
 ):
-    # 1D grid of equal tiles: per (head, sequence), its Q tiles, then its K tiles, then its V tiles (tile fastest).
+    # 1D grid: per (head, sequence), its Q tiles, then its K tiles, then its V tiles (tile fastest).
     pid = tl.program_id(0)
     tiles = n_q_tiles + n_k_tiles + n_v_tiles
     tile = pid % tiles
@@ -246,7 +246,8 @@ def _quantize_v_rows(v_ptr, stride_t, stride_h, vt_ptr, vt_stride, v_scale_ptr, 
     The tile gathers the keys in column order and stores whole rows of columns, so the stores are contiguous
     in either key order. The channels' scales come from V's per-channel extremes over every token
     (``sage_quantize_triton``): ``max |fl(x - mean)|`` is ``max(fl(max - mean), fl(mean - min))`` exactly,
-    rounding being monotone and symmetric, so no reduction over the tokens has to run in this launch."""
+    rounding being monotone (overflow included) and symmetric, so no reduction over the tokens has to run in
+    this launch."""
     dims = tl.arange(0, D)
     mean = tl.load(v_mean_ptr + head * D + dims)
     vmax = tl.load(v_max_ptr + head * D + dims).to(tl.float32)
@@ -265,7 +266,7 @@ def _quantize_v_rows(v_ptr, stride_t, stride_h, vt_ptr, vt_stride, v_scale_ptr, 
         x = tl.load(v_ptr + (start + keys)[:, None].to(tl.int64) * stride_t + head * stride_h + dims[None, :],
                     mask=ok[:, None], other=0.0)
         y = tl.math.div_rn(_less_mean(x, mean[None, :], ok[:, None]), scale[None, :])
-        y = round_fp8_grid(tl.clamp(y, -448.0, 448.0))
+        y = tl.where(ok[:, None], round_fp8_grid(tl.clamp(y, -448.0, 448.0)), 0.0)  # 0 / a NaN scale is NaN
         vq = tl.trans(y.to(tl.float8e4nv) if NATIVE else y.to(tl.float16))  # [channels, columns]
         v_rows = vt_ptr + (head * D + dims)[:, None].to(tl.int64) * vt_stride
         tl.store(v_rows + (first + local + cols)[None, :], vq, mask=(local + cols < span)[None, :])
