@@ -68,15 +68,18 @@ def _check_quantize(dtype_qk, q_block, k_block, smooth_k, lens_q=LENS_Q, lens_kv
     assert torch.equal(got.v_scale, ref.v_scale) and torch.equal(got.v_mean, ref.v_mean)
     for name, a, b in (("q", got.q, ref.q), ("k", got.k, ref.k), ("v", got.v(layout), ref.v)):
         assert torch.equal(a.float(), b.float()), f"{name}: {(a.float() != b.float()).sum()} values differ"
-    # Columns between sequences of the transposed V are zeros (read by the masked last KV tile).
-    used = torch.zeros(got.vt.shape[1], dtype=torch.bool)
+    _assert_gaps_zero(got, layout, mma_key_order)
+
+
+def _assert_gaps_zero(got, layout, mma_key_order):
+    """Columns of the transposed V that hold no key (between sequences, read by the masked last KV tile) are zeros."""
     from diffusers_trtllm.kernels.triton_quant import mma_key_column, vt_start
 
-    starts = [vt_start.fn(b, s) for b, s in enumerate(layout.cu_seqlens_kv.tolist())]
-    for start, n in zip(starts, lens_kv):
-        cols = torch.arange(start, start + n)
+    used = torch.zeros(got.vt.shape[1], dtype=torch.bool)
+    for b, (start, n) in enumerate(zip(layout.cu_seqlens_kv.tolist(), layout.kv_lens)):
+        cols = torch.arange(n) + vt_start.fn(b, start)
         used[mma_key_column.fn(cols) if mma_key_order else cols] = True
-    assert torch.all(got.vt[:, ~used].float() == 0)
+    assert torch.all(got.vt[:, ~used].float() == 0), "gap columns not zero"
 
 
 def _check_quantize_nonfinite_v(value, mma_key_order):
@@ -85,7 +88,7 @@ def _check_quantize_nonfinite_v(value, mma_key_order):
     write zeros there, not quantize them), and the other channels' scales are the reference's."""
     from diffusers_trtllm.config import QuantConfig
     from diffusers_trtllm.kernels.reference import sage_quantize
-    from diffusers_trtllm.kernels.triton_quant import mma_key_column, sage_quantize_triton, vt_start
+    from diffusers_trtllm.kernels.triton_quant import sage_quantize_triton
 
     gen = torch.Generator().manual_seed(3)
     lens = (33, 70)
@@ -98,11 +101,7 @@ def _check_quantize_nonfinite_v(value, mma_key_order):
     assert torch.isnan(got.v_scale[0, 5])
     finite = ~torch.isnan(ref.v_scale)
     assert torch.equal(got.v_scale[finite], ref.v_scale[finite]) and finite.sum() == finite.numel() - 1
-    used = torch.zeros(got.vt.shape[1], dtype=torch.bool)
-    for b, (start, n) in enumerate(zip(layout.cu_seqlens_kv.tolist(), lens)):
-        cols = torch.arange(n) + vt_start.fn(b, start)
-        used[mma_key_column.fn(cols) if mma_key_order else cols] = True
-    assert torch.all(got.vt[:, ~used].float() == 0), "gap columns not zero"
+    _assert_gaps_zero(got, layout, mma_key_order)
 
 
 def _check_quantize_properties():

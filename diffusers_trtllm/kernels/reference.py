@@ -22,7 +22,7 @@ __all__ = ["ReferenceResult", "ReferenceRoute", "reference_attention", "sage_qua
 AMAX_FLOOR = 1.0e-3
 FP8_MAX = 448.0
 #: The largest finite fp16: SAGE outputs with V's mean taken off are clamped to it (NaN kept) before an fp16 store.
-FP16_MAX = 65504.0
+FP16_MAX = torch.finfo(torch.float16).max  # 65504
 #: P (in [0, 1]) is multiplied by this before its fp8 cast for the P·V product.
 P_FP8_SCALE = 448.0
 #: Elements of the score tile processed at once (bounds memory at ~256 MiB fp32).

@@ -34,8 +34,8 @@ __all__ = ["SageSm90Route", "sage_sm90_attention", "sage_sm90_quantize", "sage_s
 #: The skip rule's tiles: 64 query rows (one consumer warpgroup) x 128 keys.
 BLOCK_M, BLOCK_N = 64, 128
 #: The K block of a call that leaves ``k_block_size`` to the route: one K scale per KV tile, the faster of the
-#: kernel's blocks (H200: 1.400x / 1.494x cuDNN against 1.351x / 1.407x with 16 on wan_14b_480p / 720p, and a
-#: Wan2.1-14B forward 1.140x / 1.261x against 1.105x / 1.218x; docs/performance.md, third sweep).
+#: kernel's blocks (H200: 1.447x / 1.531x cuDNN against 1.366x / 1.430x with 16 on wan_14b_480p / 720p, and a
+#: Wan2.1-14B forward 1.152x / 1.268x against 1.120x / 1.218x; docs/performance.md, fourth sweep).
 K_BLOCK = 128
 #: Query rows per CTA (two consumer warpgroups) and threads per CTA (with the producer warpgroup).
 _CTA_ROWS, _THREADS = 128, 384

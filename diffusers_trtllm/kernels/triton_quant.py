@@ -265,17 +265,11 @@ def _quantize_v_rows(v_ptr, stride_t, stride_h, vt_ptr, vt_stride, v_scale_ptr, 
         ok = keys < length
         x = tl.load(v_ptr + (start + keys)[:, None].to(tl.int64) * stride_t + head * stride_h + dims[None, :],
                     mask=ok[:, None], other=0.0)
-        y = tl.math.div_rn(_less_mean(x, mean[None, :], ok[:, None]), scale[None, :])
-        y = tl.where(ok[:, None], round_fp8_grid(tl.clamp(y, -448.0, 448.0)), 0.0)  # 0 / a NaN scale is NaN
+        y = tl.math.div_rn(x.to(tl.float32) - mean[None, :], scale[None, :])  # V less its mean (smooth_v)
+        y = tl.where(ok[:, None], round_fp8_grid(tl.clamp(y, -448.0, 448.0)), 0.0)  # zeros, whatever the scale
         vq = tl.trans(y.to(tl.float8e4nv) if NATIVE else y.to(tl.float16))  # [channels, columns]
         v_rows = vt_ptr + (head * D + dims)[:, None].to(tl.int64) * vt_stride
         tl.store(v_rows + (first + local + cols)[None, :], vq, mask=(local + cols < span)[None, :])
-
-
-@triton.jit
-def _less_mean(x, mean, ok):
-    """V's values in fp32 less their channels' mean (``smooth_v``), 0 where ``ok`` is false."""
-    return tl.where(ok, x.to(tl.float32) - mean, 0.0)
 
 
 @triton.jit

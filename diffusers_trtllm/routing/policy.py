@@ -40,9 +40,9 @@ SHORT_KV = TEXT_KV
 SAGE_MIN_KV_SM90 = 16384
 
 #: On SM90, int8 SAGE pays from this KV length on the project's CUDA kernel (``sage-sm90``, which ``auto``
-#: ranks first for int8 on long keys): whole calls on the H200 (benchmarks/results/sage_sm90_sweep_h200_smooth_v.md)
-#: 1.400x cuDNN at Wan-14B 480p (32,760 keys) and 1.494x at 720p with its default K blocks of 128 (1.351x /
-#: 1.407x with 16), against fa3 dense's 1.11-1.16x on those shapes (benchmarks/results/bench_h200.md); 0.69x
+#: ranks first for int8 on long keys): whole calls on the H200 (benchmarks/results/sage_sm90_sweep_h200_quantizer.md)
+#: 1.447x cuDNN at Wan-14B 480p (32,760 keys) and 1.531x at 720p with its default K blocks of 128 (1.366x /
+#: 1.430x with 16), against fa3 dense's 1.11-1.16x on those shapes (benchmarks/results/bench_h200.md); 0.75x
 #: at Flux (4,608 keys) against fa3's 0.95-1.18x. No length between was measured, so it runs from the shortest
 #: one where it measured faster.
 SAGE_INT8_MIN_KV_SM90 = 32760
