@@ -3,8 +3,9 @@
 ptxas may reuse the registers of an fp8 product (QGMMA: its A fragment and its accumulator) for other
 values while the product still runs, which gives wrong results without any warning (it did so for the
 ``sage-sm90`` overlap build). This walks every path from the end of each QGMMA commit group (the one
-marked ``gsb0``) to the next full wait (``WARPGROUP.DEPBAR.LE gsb0, 0x0``) and lists the non-wgmma
-instructions on it that write one of the group's registers.
+marked ``gsb0``) to the first wait that retires it and lists the non-wgmma instructions on it that write
+one of the group's registers. Groups retire in order: ``WARPGROUP.DEPBAR.LE gsb0, N`` retires every group
+but the N committed last, so it retires this one once N or more groups have been committed after it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ _QGMMA = re.compile(r"QGMMA\.64x(\d+)x32\S* R(\d+), R(\d+),")
 _WRITE = re.compile(r"(?:@!?U?P\w+ )?([A-Z][\w.]*) R(\d+)[, ]")
 _BRANCH = re.compile(r"(@!?U?P\w+ )?BRA(?:\.\w+)* (?:\S+, )?0x([0-9a-f]+)")
 _NOT_A_WRITE = ("QGMMA", "IGMMA", "HGMMA", "ST", "BAR", "SYNCS", "WARPGROUP")
+_WAIT = re.compile(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x[0-9a-f]+)")
+_MAX_PENDING = 8  # more groups in flight than a wait can name: counting further changes nothing
 
 
 def _width(opcode: str) -> int:
@@ -70,20 +73,25 @@ def _group_registers(code: list[tuple[int, str]], end: int, reach: int = 64) -> 
 
 
 def in_flight_writes(code: list[tuple[int, str]]) -> list[str]:
-    """Each instruction that writes a register of a QGMMA group between its commit and the next full wait."""
+    """Each instruction that writes a register of a QGMMA group between its commit and the wait that retires it."""
     index = {address: i for i, (address, _) in enumerate(code)}
     hazards = []
     for end, (_, instruction) in enumerate(code):
         if not (_QGMMA.match(instruction) and "gsb0" in instruction):
             continue
-        regs, seen, todo = _group_registers(code, end), set(), [end + 1]
+        regs, seen = _group_registers(code, end), set()
+        todo = [(end + 1, 0)]  # (instruction, groups committed since this one), along each path
         while todo:
-            i = todo.pop()
-            while i < len(code) and i not in seen:
-                seen.add(i)
+            i, later = todo.pop()
+            while i < len(code) and (i, later) not in seen:
+                seen.add((i, later))
                 address, ins = code[i]
-                if "DEPBAR.LE gsb0, 0x0" in ins or ins.startswith(("EXIT", "RET")):
+                if (wait := _WAIT.search(ins)) and later >= int(wait.group(1), 16):
                     break
+                if ins.startswith(("EXIT", "RET")):
+                    break
+                if "GMMA" in ins and "gsb0" in ins:
+                    later = min(later + 1, _MAX_PENDING)
                 w = _WRITE.match(ins)
                 if w and not w.group(1).startswith(_NOT_A_WRITE):
                     first = int(w.group(2))
@@ -92,9 +100,40 @@ def in_flight_writes(code: list[tuple[int, str]]) -> list[str]:
                 if b := _BRANCH.match(ins):
                     target = index[int(b.group(2), 16)]
                     if b.group(1):  # conditional: both ways
-                        todo.append(target)
+                        todo.append((target, later))
                     else:
                         i = target
                         continue
                 i += 1
     return hazards
+
+
+def pv_runs_past_a_partial_wait(code: list[tuple[int, str]]) -> bool:
+    """Whether some P.V product (a QGMMA as wide as the head) is still running after a wait that leaves groups
+    pending: the softmax overlap. ptxas loses it when a product under a branch closes a group of its own."""
+    index = {address: i for i, (address, _) in enumerate(code)}
+    for start, (_, instruction) in enumerate(code):
+        if not ((m := _QGMMA.match(instruction)) and int(m.group(1)) >= 64):
+            continue
+        end = next(i for i in range(start, len(code)) if "gsb0" in code[i][1])
+        todo, seen = [(end + 1, 0)], set()
+        while todo:
+            i, later = todo.pop()
+            while i < len(code) and (i, later) not in seen:
+                seen.add((i, later))
+                ins = code[i][1]
+                if wait := _WAIT.search(ins):
+                    if later < int(wait.group(1), 16):
+                        return True
+                    break
+                if "GMMA" in ins and "gsb0" in ins:
+                    later = min(later + 1, _MAX_PENDING)
+                if b := _BRANCH.match(ins):
+                    target = index[int(b.group(2), 16)]
+                    if b.group(1):
+                        todo.append((target, later))
+                    else:
+                        i = target
+                        continue
+                i += 1
+    return False

@@ -173,6 +173,21 @@ def test_compile_error_says_which_file_and_why(tmp_path, monkeypatch):
         cuda_jit.compile_cubin(SOURCE, "90a")
 
 
+def test_hazard_walk_ends_at_the_wait_that_retires_the_group():
+    """sass_hazards counts the groups committed after a product: a wait that leaves one pending retires it once
+    another group followed, not before; a write before that wait is a hazard, one after it is not."""
+    def listing(*instructions):
+        return [(16 * i, ins) for i, ins in enumerate(instructions)]
+
+    sums = "QGMMA.64x8x32.F32.E4M3.E4M3 R152, R156, gdesc[UR16], R152, gsb0"
+    later_group = "HGMMA.64x8x16.F16 RZ, gdesc[URZ], RZ, !UPT, gsb0"
+    write = "FADD R153, R1, R2"
+    partial_wait, full_wait = "WARPGROUP.DEPBAR.LE gsb0, 0x1", "WARPGROUP.DEPBAR.LE gsb0, 0x0"
+    assert sass_hazards.in_flight_writes(listing(sums, later_group, partial_wait, write, full_wait)) == []
+    assert sass_hazards.in_flight_writes(listing(sums, partial_wait, write, full_wait)) == ["0x20 FADD R153, R1, R2"]
+    assert sass_hazards.in_flight_writes(listing(sums, write, later_group, partial_wait)) == ["0x10 FADD R153, R1, R2"]
+
+
 @pytest.mark.skipif(cuda_jit.find_nvcc() is None, reason="needs nvcc")
 def test_kernel_builds_for_sm90a_without_spills_or_serialized_products(tmp_path):
     """ptxas's report for the default K block sizes (16 and 4): no local memory, and no wgmma serialized
@@ -180,7 +195,8 @@ def test_kernel_builds_for_sm90a_without_spills_or_serialized_products(tmp_path)
     serializes the overlap's products as soon as the groups in flight differ between the paths into a
     wait. And in the SASS, no instruction
     writes a register of a P.V product that is still running (ptxas reused P's registers in the overlap
-    build's next softmax before the copy that keeps them alive; only the GPU test caught it)."""
+    build's next softmax before the copy that keeps them alive; only the GPU test caught it), and in every
+    kernel, skip builds included, P.V still runs past the wait for Q.K^T (the overlap)."""
     res = subprocess.run([cuda_jit.find_nvcc(), "-cubin", "-gencode=arch=compute_90a,code=sm_90a", "-O3", "-std=c++17",
                           "-Xptxas=-v", "-o", str(tmp_path / "k.cubin"), str(SOURCE)],
                          capture_output=True, text=True)
@@ -197,6 +213,8 @@ def test_kernel_builds_for_sm90a_without_spills_or_serialized_products(tmp_path)
     assert set(sass) == set(sage_sm90.KERNEL_NAMES)
     hazards = {name: found for name, code in sass.items() if (found := sass_hazards.in_flight_writes(code))}
     assert not hazards, f"registers of a running P.V product overwritten: {({k: v[:3] for k, v in hazards.items()})}"
+    serial = sorted(name for name, code in sass.items() if not sass_hazards.pv_runs_past_a_partial_wait(code))
+    assert not serial, f"no softmax overlap (P.V retired by the wait for Q.K^T) in {serial}"
 
 
 def _f16_constant(name: str) -> np.float16:

@@ -687,18 +687,24 @@ __device__ __forceinline__ void consume(Smem<D, STAGES>& sm, const Params& p, in
       if (MORE) mbar_wait(&sm.full_k[(n + 1) % STAGES], ((n + 1) / STAGES) & 1);
       mbar_wait(&sm.full_v[s], (n / STAGES) & 1);  // a skipped tile's V must land too before its stage is reused
       if (PINGPONG) named_sync(my_turn, 256);
-      if (MORE) {
-        wgmma_fence();
-        issue_qk<D>(acc, desc_q, smem_desc(smem_addr(sm.k[(n + 1) % STAGES]), D));
-        wgmma_commit();
-      }
       // A skipped tile still issues the row sums' small products (their result is not used), so that every
       // step after the first starts with the same two groups in flight: ptxas keeps the products
-      // asynchronous only when the groups a wait retires are the same on every path.
-      wgmma_fence();
-      if (keep) issue_pv<D>(o, pv, smem_desc(smem_addr(sm.v[s]), 128));
-      issue_row_sums(sums, pv, smem_desc(smem_addr(sm.v[s] + D * BLOCK_N), 128));
-      wgmma_commit();
+      // asynchronous only when the groups a wait retires are the same on every path. And each way of the
+      // branch issues whole commit groups: a product under a branch inside a group, ptxas closes in a group
+      // of its own, which the next step's wait for Q.K^T then retires, so that P.V never ran beside the
+      // softmax (restoring that measured the same speed: docs/design.md, "What skip costs").
+      auto issue = [&](auto keep_tag) {
+        if (MORE) {
+          wgmma_fence();
+          issue_qk<D>(acc, desc_q, smem_desc(smem_addr(sm.k[(n + 1) % STAGES]), D));
+          wgmma_commit();
+        }
+        wgmma_fence();
+        if constexpr (decltype(keep_tag)::value) issue_pv<D>(o, pv, smem_desc(smem_addr(sm.v[s]), 128));
+        issue_row_sums(sums, pv, smem_desc(smem_addr(sm.v[s] + D * BLOCK_N), 128));
+        wgmma_commit();
+      };
+      if (keep) issue(BoolConstant<true>{}); else issue(BoolConstant<false>{});
       if (PINGPONG) named_arrive(their_turn, 256);
     };
     for (int n = 0; n + 1 < n_tiles; ++n) step(n, BoolConstant<true>{});
