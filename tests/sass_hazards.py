@@ -72,6 +72,31 @@ def _group_registers(code: list[tuple[int, str]], end: int, reach: int = 64) -> 
     return regs
 
 
+def _after_commit(code: list[tuple[int, str]], index: dict[int, int], end: int):
+    """(instruction, groups committed since) along every path from the group committed at ``code[end]`` to the
+    wait that retires it (yielded too), EXIT or RET; a wait that leaves N pending retires it once N followed."""
+    seen, todo = set(), [(end + 1, 0)]
+    while todo:
+        i, later = todo.pop()
+        while i < len(code) and (i, later) not in seen:
+            seen.add((i, later))
+            instruction = code[i][1]
+            yield code[i], later
+            if ((wait := _WAIT.search(instruction)) and later >= int(wait.group(1), 16)) or instruction.startswith(
+                    ("EXIT", "RET")):
+                break
+            if "GMMA" in instruction and "gsb0" in instruction:
+                later = min(later + 1, _MAX_PENDING)
+            if b := _BRANCH.match(instruction):
+                target = index[int(b.group(2), 16)]
+                if b.group(1):  # conditional: both ways
+                    todo.append((target, later))
+                else:
+                    i = target
+                    continue
+            i += 1
+
+
 def in_flight_writes(code: list[tuple[int, str]]) -> list[str]:
     """Each instruction that writes a register of a QGMMA group between its commit and the wait that retires it."""
     index = {address: i for i, (address, _) in enumerate(code)}
@@ -79,32 +104,13 @@ def in_flight_writes(code: list[tuple[int, str]]) -> list[str]:
     for end, (_, instruction) in enumerate(code):
         if not (_QGMMA.match(instruction) and "gsb0" in instruction):
             continue
-        regs, seen = _group_registers(code, end), set()
-        todo = [(end + 1, 0)]  # (instruction, groups committed since this one), along each path
-        while todo:
-            i, later = todo.pop()
-            while i < len(code) and (i, later) not in seen:
-                seen.add((i, later))
-                address, ins = code[i]
-                if (wait := _WAIT.search(ins)) and later >= int(wait.group(1), 16):
-                    break
-                if ins.startswith(("EXIT", "RET")):
-                    break
-                if "GMMA" in ins and "gsb0" in ins:
-                    later = min(later + 1, _MAX_PENDING)
-                w = _WRITE.match(ins)
-                if w and not w.group(1).startswith(_NOT_A_WRITE):
-                    first = int(w.group(2))
-                    if regs.intersection(range(first, first + _width(w.group(1)))):
-                        hazards.append(f"{address:#x} {ins}")
-                if b := _BRANCH.match(ins):
-                    target = index[int(b.group(2), 16)]
-                    if b.group(1):  # conditional: both ways
-                        todo.append((target, later))
-                    else:
-                        i = target
-                        continue
-                i += 1
+        regs = _group_registers(code, end)
+        for (address, ins), _ in _after_commit(code, index, end):
+            w = _WRITE.match(ins)
+            if w and not w.group(1).startswith(_NOT_A_WRITE):
+                first = int(w.group(2))
+                if regs.intersection(range(first, first + _width(w.group(1)))):
+                    hazards.append(f"{address:#x} {ins}")
     return hazards
 
 
@@ -116,24 +122,7 @@ def pv_runs_past_a_partial_wait(code: list[tuple[int, str]]) -> bool:
         if not ((m := _QGMMA.match(instruction)) and int(m.group(1)) >= 64):
             continue
         end = next(i for i in range(start, len(code)) if "gsb0" in code[i][1])
-        todo, seen = [(end + 1, 0)], set()
-        while todo:
-            i, later = todo.pop()
-            while i < len(code) and (i, later) not in seen:
-                seen.add((i, later))
-                ins = code[i][1]
-                if wait := _WAIT.search(ins):
-                    if later < int(wait.group(1), 16):
-                        return True
-                    break
-                if "GMMA" in ins and "gsb0" in ins:
-                    later = min(later + 1, _MAX_PENDING)
-                if b := _BRANCH.match(ins):
-                    target = index[int(b.group(2), 16)]
-                    if b.group(1):
-                        todo.append((target, later))
-                    else:
-                        i = target
-                        continue
-                i += 1
+        for (_, ins), later in _after_commit(code, index, end):
+            if (wait := _WAIT.search(ins)) and later < int(wait.group(1), 16):
+                return True
     return False
