@@ -37,8 +37,9 @@ for section in "$@"; do
   probe)  # Wan2.1-1.3B's own activations (random weights), beside SageAttention2
     timeout 150 python3 benchmarks/sage_error_probe.py --models wan2.1-t2v-1.3b --variant full --calls 0,10,20,29 \
       --device cuda --kernels sage-sm90,triton,sageattn --out "$out/sage_error_probe.json" 2>&1 | grep "^|" ;;
-  ncu)  # one call under Nsight Compute: speed of light, pipes, stalls, instruction mix
-    timeout 100 ncu --clock-control none -k regex:sage_sm90_d --launch-skip 1 -c 1 --section SpeedOfLight \
+  ncu)  # one call under Nsight Compute, every metric of its sections (--page raw): speed of light, each pipe's use,
+        # stall reasons per issued instruction, instruction mix
+    timeout 100 ncu --clock-control none -k regex:sage_sm90_d --launch-skip 1 -c 1 --page raw --section SpeedOfLight \
       --section ComputeWorkloadAnalysis --section WarpStateStats --section InstructionStats --section SchedulerStats \
       python3 benchmarks/profile_sage_sm90.py --shape wan_1.3b_480p --k-block 128 > "$out/ncu_sage_sm90.txt" 2>&1
     tail -40 "$out/ncu_sage_sm90.txt" ;;
