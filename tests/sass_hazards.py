@@ -118,11 +118,7 @@ def pv_runs_past_a_partial_wait(code: list[tuple[int, str]]) -> bool:
     """Whether some P.V product (a QGMMA as wide as the head) is still running after a wait that leaves groups
     pending: the softmax overlap. ptxas loses it when a product under a branch closes a group of its own."""
     index = {address: i for i, (address, _) in enumerate(code)}
-    for start, (_, instruction) in enumerate(code):
-        if not ((m := _QGMMA.match(instruction)) and int(m.group(1)) >= 64):
-            continue
-        end = next(i for i in range(start, len(code)) if "gsb0" in code[i][1])
-        for (_, ins), later in _after_commit(code, index, end):
-            if (wait := _WAIT.search(ins)) and later < int(wait.group(1), 16):
-                return True
-    return False
+    wide = [i for i, (_, ins) in enumerate(code) if (m := _QGMMA.match(ins)) and int(m.group(1)) >= 64]
+    ends = {next(i for i in range(start, len(code)) if "gsb0" in code[i][1]) for start in wide}  # one per group
+    return any((wait := _WAIT.search(ins)) and later < int(wait.group(1), 16)
+               for end in sorted(ends) for (_, ins), later in _after_commit(code, index, end))

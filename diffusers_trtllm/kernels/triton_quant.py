@@ -6,9 +6,9 @@ sequence), V fp8 e4m3 with one scale per (head, channel), V less its per-(head, 
 (``smooth_v``), which the attention kernels add back to their output. Three torch reductions over the tokens
 run first (V's mean, V's per-channel min and max, and K's mean with ``smooth_k``), then one kernel launch
 quantizes everything on a 1D grid of tiles: per (head, sequence) its Q tiles, K tiles and V tiles of
-consecutive tokens (64, K tiles a K block when that is longer), each read once, coalesced. V's channel scales need its amax less the mean over every token
-before any V tile can be quantized; the min and max give it exactly (``_quantize_v_rows``), so no reduction runs
-inside the launch. (Two earlier layouts measured slower on the H200, docs/design.md, "The quantizer": V by
+consecutive tokens (64, K tiles a K block when that is longer), each read once, coalesced. V's channel scales
+need its amax less the mean over every token before any V tile can be quantized; the min and max give it
+exactly (``_quantize_v_rows``), so no reduction runs inside the launch. (Two earlier layouts measured slower on the H200, docs/design.md, "The quantizer": V by
 channel programs that read all tokens twice, a long serial path per program; and V by token tiles folding
 their amax into the scales by an atomic max, then a second launch.)
 
