@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device calls (each under 10 minutes) for the sage-sm90 kernel on an H100/H200, by section: `build` (the
-# cubins, one build per core), `tests` (its GPU tests and the triton route's), `sweep` (K blocks of 16 and 128
-# beside cuDNN and SageAttention2), `sweep-vmean` (the same on V with a per-channel mean), `quantizer` (the
+# cubins, one build per core), `tests` (its GPU tests and the triton route's), `sweep` (K blocks of 16 and 128,
+# split per thread or not, beside cuDNN and SageAttention2), `sweep-vmean` (the same on V with a per-channel mean), `quantizer` (the
 # quantizer's launch settings), `probe` (the kernels' error on a model's activations), `ncu` (what bounds the
 # default build) and `e2e` (Wan2.1-14B forwards).
 # Results under $OUT (`e2e` needs FlashInfer's fa3 modules: source benchmarks/gpu_env.sh first, .jit carried).
@@ -20,14 +20,15 @@ for section in "$@"; do
   tests)  # the kernel's, and the triton and gluon routes' (the same quantizer)
     timeout 260 python3 -m pytest -q -p no:cacheprovider tests/test_sage_sm90_gpu.py tests/test_triton_attn_gpu.py \
       tests/test_gluon_attn_gpu.py 2>&1 | tee "$out/gpu_tests_sage_sm90.log" | tail -5 ;;
-  e2e)  # Wan2.1-14B forwards at 480p and 720p (random weights): int8 SAGE with K blocks of 128 (the default) and 16,
+  e2e)  # Wan2.1-14B forwards at 480p and 720p (random weights): int8 SAGE with K blocks of 128 split per thread
+        # (the default) and not split,
         # SageAttention2 (720p alone took 235 s; with 480p, after `sweep`, a 290 s limit cut it: a call of its own)
     timeout 420 python3 -m diffusers_trtllm.bench e2e --models wan2.1-t2v-14b,wan2.1-t2v-14b-720p --weights random \
-      --configs stock,sage-int8,sage-int8-k16,stock-sage2 --warmup 0 --iters 2 --time-limit 240 --out "$out" \
+      --configs stock,sage-int8,sage-int8-k128-blocks,stock-sage2 --warmup 0 --iters 2 --time-limit 240 --out "$out" \
       --name "${E2E_NAME:-e2e_h200_sage}" --no-progress 2>&1 | grep -v "^\s*$" | tail -30 ;;
   sweep)
-    timeout 200 python3 benchmarks/bench_sage_sm90.py --shapes wan_14b_480p,wan_14b_720p,flux_1024 --builds default \
-      --quants k16,k128 --iters 10 --out "$out/sage_sm90_sweep.json" | grep -v "skip0" ;;
+    timeout 320 python3 benchmarks/bench_sage_sm90.py --shapes wan_14b_480p,wan_14b_720p,flux_1024 --builds default \
+      --quants k16,k128,k128t,k16t --iters 10 --out "$out/sage_sm90_sweep.json" | grep -v "skip0" ;;
   sweep-vmean)
     timeout 90 python3 benchmarks/bench_sage_sm90.py --shapes wan_14b_480p,wan_14b_720p --builds default \
       --quants k16,k128 --target-skips "" --v-mean 1.0 --iters 10 --out "$out/sage_sm90_sweep_vmean.json" | grep -v skip0 ;;

@@ -11,8 +11,9 @@ Accepted forms (``SkipSoftmaxConfig.coerce`` / ``QuantConfig.coerce``):
   ``threshold`` / ``skip_softmax_threshold``, ``target_sparsity``, ``disabled_until_timestep``.
 - quant: ``None``, a ``QuantConfig``, a dtype name (``"int8"``, ``"fp8_e4m3"``, ``"fp8"``)
   or ``torch.int8`` / ``torch.float8_e4m3fn``, or a dict with ``dtype_qk``,
-  ``q_block_size``, ``k_block_size``, ``smooth_k``. ``k_block_size`` left out (None) is the route's
-  choice: ``DEFAULT_K_BLOCK`` (16, FlashInfer's) on every route but ``sage-sm90``, which takes 128.
+  ``q_block_size``, ``k_block_size``, ``k_per_thread``, ``smooth_k``. ``k_block_size`` and ``k_per_thread``
+  left out (None) are the route's choice: ``DEFAULT_K_BLOCK`` (16, FlashInfer's) on every route but
+  ``sage-sm90``, which takes 128 (split per thread as ``sage_sm90.K_PER_THREAD`` says).
 
 ``skip_softmax_threshold`` must lie in [0, 1): it is the longest sequence's
 ``lambda``, and a tile is skipped when its scores stay below ``lambda`` times the
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
-    "SkipSoftmaxConfig", "QuantConfig", "QK_QUANT_DTYPES", "BLOCK_SIZES", "K_BLOCK_SIZES", "DEFAULT_K_BLOCK", "ControlTypeError", "unknown_keys_message",
+    "SkipSoftmaxConfig", "QuantConfig", "QK_QUANT_DTYPES", "BLOCK_SIZES", "K_BLOCK_SIZES", "DEFAULT_K_BLOCK", "K_PER_THREAD_BLOCKS", "ControlTypeError", "unknown_keys_message",
     "POLICIES", "ROUTE_NAMES", "CPU_ROUTES", "GROUP_BY", "check_fit_range",
 ]
 
@@ -85,6 +86,8 @@ K_BLOCK_SIZES = (*BLOCK_SIZES, 128)
 #: The K block of a call that leaves ``k_block_size`` to the route (``QuantConfig.with_k_block``), on every route
 #: but ``sage-sm90``: FlashInfer's and vLLM-Omni's default.
 DEFAULT_K_BLOCK = 16
+#: K blocks that ``k_per_thread`` may split: each holds whole groups of 8 keys, which the split deals out.
+K_PER_THREAD_BLOCKS = (16, 128)
 
 
 def _dtype_name(dtype_qk: Any) -> str:
@@ -265,6 +268,10 @@ class QuantConfig:
     #: None: the route's block (``with_k_block``).
     k_block_size: int | None = None
     smooth_k: bool = False
+    #: Split each K block into four scales, one per lane of a Hopper MMA quad: key ``j`` of a block takes
+    #: scale ``(j % 8) // 2`` of it (SageAttention2's ``per_thread``; docs/design.md, "K scales per thread").
+    #: None: the route's choice (``with_k_block``).
+    k_per_thread: bool | None = None
 
     def __post_init__(self) -> None:
         if self.dtype_qk is not None:
@@ -278,6 +285,11 @@ class QuantConfig:
                 raise ValueError(f"quant.{field} must be one of {sizes}{unset}; got {value!r}.")
         if not isinstance(self.smooth_k, bool):
             raise ValueError(f"quant.smooth_k must be True or False; got {self.smooth_k!r}.")
+        if self.k_per_thread is not None and not isinstance(self.k_per_thread, bool):
+            raise ValueError(f"quant.k_per_thread must be True, False or None (the route's); got {self.k_per_thread!r}.")
+        if self.k_per_thread and self.k_block_size not in (None, *K_PER_THREAD_BLOCKS):
+            raise ValueError(f"quant.k_per_thread splits K blocks of {K_PER_THREAD_BLOCKS} keys; got "
+                             f"k_block_size={self.k_block_size}. Use one of those, or k_per_thread=False.")
 
     @classmethod
     def from_kwargs(cls, quant: Any) -> "QuantConfig":
@@ -294,7 +306,7 @@ class QuantConfig:
                 f"({', '.join(map(repr, QK_QUANT_DTYPES))}), a QuantConfig or None; got {quant!r} ({type(quant).__name__})."
             )
         q = dict(quant)
-        allowed = ("dtype_qk", "q_block_size", "k_block_size", "smooth_k")
+        allowed = ("dtype_qk", "q_block_size", "k_block_size", "k_per_thread", "smooth_k")
         unknown = set(q) - set(allowed)
         if unknown:
             raise ValueError(unknown_keys_message("quant", unknown, allowed))
@@ -303,6 +315,7 @@ class QuantConfig:
             q_block_size=q.get("q_block_size", 1),
             k_block_size=q.get("k_block_size"),
             smooth_k=q.get("smooth_k", False),
+            k_per_thread=q.get("k_per_thread"),
         )
 
     @classmethod
@@ -315,9 +328,12 @@ class QuantConfig:
     def enabled(self) -> bool:
         return self.dtype_qk is not None
 
-    def with_k_block(self, block: int) -> "QuantConfig":
-        """This config with ``k_block_size`` set to ``block`` where it was left to the route."""
-        return self if self.k_block_size is not None else replace(self, k_block_size=block)
+    def with_k_block(self, block: int, per_thread: bool = False) -> "QuantConfig":
+        """This config with the K scales left to the route set: ``k_block_size`` to ``block``, ``k_per_thread``
+        to ``per_thread`` (where the block it ends with can be split, else False)."""
+        size = self.k_block_size if self.k_block_size is not None else block
+        split = self.k_per_thread if self.k_per_thread is not None else per_thread and size in K_PER_THREAD_BLOCKS
+        return replace(self, k_block_size=size, k_per_thread=split)
 
     @property
     def qk_dtype(self) -> "torch.dtype":

@@ -70,6 +70,9 @@ def test_from_kwargs_uses_vllm_omni_names():
         ({"dtype_qk": "int8", "k_block_size": True}, "k_block_size"),
         ({"dtype_qk": "int8", "q_block_size": 128}, r"q_block_size must be one of \(1, 4, 16\)"),
         ({"dtype_qk": "int8", "smooth_k": "yes"}, "smooth_k"),
+        ({"dtype_qk": "int8", "k_per_thread": 1}, "k_per_thread must be True, False or None"),
+        ({"dtype_qk": "int8", "k_block_size": 4, "k_per_thread": True},
+         r"k_per_thread splits K blocks of \(16, 128\) keys; got k_block_size=4"),
         ({"dtype_qk": "int8", "block": 4}, "unknown keys"),
     ],
 )
@@ -84,6 +87,17 @@ def test_k_block_is_the_routes_unless_given():
     assert QuantConfig("int8", 1, 4).with_k_block(128).k_block_size == 4
     with pytest.raises(ValueError, match=r"k_block_size must be one of \(1, 4, 16, 128\) or None \(the route's\)"):
         QuantConfig("int8", 1, 32)
+
+
+def test_k_per_thread_is_the_routes_unless_given():
+    """Left to the route, a K block is split per thread only where the route asks and the block allows it."""
+    assert QuantConfig("int8").k_per_thread is None
+    assert QuantConfig("int8").with_k_block(128, per_thread=True) == QuantConfig("int8", 1, 128, k_per_thread=True)
+    assert QuantConfig("int8").with_k_block(16).k_per_thread is False
+    assert QuantConfig("int8", 1, 4).with_k_block(128, per_thread=True).k_per_thread is False  # 4 cannot be split
+    assert QuantConfig("int8", 1, 16).with_k_block(128, per_thread=True).k_per_thread is True
+    assert QuantConfig("int8", k_per_thread=False).with_k_block(128, per_thread=True).k_per_thread is False
+    assert QuantConfig.from_kwargs({"dtype_qk": "int8", "k_per_thread": True}).k_per_thread is True
 
 
 def test_quant_aliases():

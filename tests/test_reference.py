@@ -117,6 +117,15 @@ def test_block_ids_follow_flashinfer_layout():
         assert not seq & others
 
 
+def test_block_ids_split_per_thread_deal_each_block_to_four_lanes():
+    cu = torch.tensor([0, 20, 37], dtype=torch.int32)
+    ids, slots = block_ids(cu, (20, 17), 16, per_thread=True)
+    lanes = [0, 0, 1, 1, 2, 2, 3, 3] * 2  # key j of a block: lane (j % 8) // 2
+    # sequence 0: blocks 0 and 1 (slots 4 * block + lane); sequence 1: 20 // 16 + 1 = block 2 onwards
+    expected = lanes + [4, 4, 5, 5] + [8 + x for x in lanes] + [12]
+    assert ids.tolist() == expected and slots == 4 * (-(-37 // 16) + 1)
+
+
 @pytest.mark.parametrize("dtype_qk", ["int8", "fp8_e4m3"])
 @pytest.mark.parametrize("q_block, k_block", [(1, 16), (4, 4), (16, 1), (1, 128)])
 def test_sage_quantize_layout(dtype_qk, q_block, k_block):

@@ -106,6 +106,18 @@ def test_reasons_name_what_is_missing(monkeypatch):
         select_route(_call(), "sage-sm90")
 
 
+def test_k_scales_per_thread_are_this_kernels_and_the_references():
+    from diffusers_trtllm.kernels.reference import ReferenceRoute
+    from diffusers_trtllm.kernels.triton_attn import TritonRoute
+
+    call = _call(quant=None)
+    call = AttentionCall(call.q, call.k, call.v, call.layout, call.softmax_scale,
+                         quant=QuantConfig("int8", k_per_thread=True))
+    assert any("no K scales per thread" in r for r in TritonRoute().not_supported_reasons(call))
+    for route in (sage_sm90.SageSm90Route(), ReferenceRoute()):
+        assert not any("per thread" in r for r in route.not_supported_reasons(call))
+
+
 def test_host_function_refuses_what_the_kernel_cannot_run():
     call = _call()
     with pytest.raises(ValueError, match="Hopper"):
@@ -113,8 +125,9 @@ def test_host_function_refuses_what_the_kernel_cannot_run():
 
 
 def test_k_block_left_to_the_route_is_128_here_and_16_on_the_triton_route(monkeypatch):
-    """``quant="int8"`` without ``k_block_size``: this kernel quantizes K by KV tile (its faster block), the
-    triton route and the reference by FlashInfer's 16; a block the user gives is kept."""
+    """``quant="int8"`` without ``k_block_size``: this kernel quantizes K by KV tile (its faster block), split
+    per thread as ``K_PER_THREAD`` says, the triton route and the reference by FlashInfer's 16; a block the
+    user gives is kept."""
     from diffusers_trtllm.kernels import triton_quant
     from diffusers_trtllm.kernels.reference import sage_quantize
     from diffusers_trtllm.kernels.triton_attn import triton_attention
@@ -125,20 +138,25 @@ def test_k_block_left_to_the_route_is_128_here_and_16_on_the_triton_route(monkey
     seen = []
 
     def quantize(q, k, v, layout, quant, mma_key_order=False):
-        seen.append((mma_key_order, quant.k_block_size))
+        seen.append((mma_key_order, quant.k_block_size, quant.k_per_thread))
         raise Quantized
 
     monkeypatch.setattr(triton_quant, "sage_quantize_triton", quantize)
     monkeypatch.setattr(sage_sm90, "_check_call", lambda q, k, quant: None)
     call = _call()
-    for quant in (QuantConfig("int8"), QuantConfig("int8", 1, 4)):
+    for quant in (QuantConfig("int8"), QuantConfig("int8", 1, 4), QuantConfig("int8", 1, 16)):
         for run in (sage_sm90.sage_sm90_attention, triton_attention):
             with pytest.raises(Quantized):
                 run(call.q, call.k, call.v, call.layout, softmax_scale=0.1, quant=quant)
-    assert seen == [(True, 128), (False, 16), (True, 4), (False, 4)]
+    split = sage_sm90.K_PER_THREAD
+    assert seen == [(True, 128, split), (False, 16, False), (True, 4, False), (False, 4, False), (True, 16, split),
+                    (False, 16, False)]
     ref = sage_quantize(call.q, call.k, call.v, call.layout.cu_seqlens_q, call.layout.cu_seqlens_kv, (256,), (256,),
                         QuantConfig("int8"))
     assert ref.k_scale.shape == (2, 256 // 16)
+    with pytest.raises(ValueError, match="one K scale per block; quant.k_per_thread=True is the sage-sm90"):
+        triton_attention(call.q, call.k, call.v, call.layout, softmax_scale=0.1,
+                         quant=QuantConfig("int8", k_per_thread=True))
 
 
 def test_compile_is_cached_by_source_flags_and_compiler(tmp_path, monkeypatch):

@@ -39,11 +39,14 @@ def _attention(*args, **kw):
 
 @pytest.mark.parametrize("build", list(BUILDS))
 @pytest.mark.parametrize("skip", [None, 0.02])
-@pytest.mark.parametrize("dim,kv_heads,blocks", [(128, 4, (1, 16)), (64, 8, (1, 16)), (128, 2, (4, 4)),
-                                                 (128, 8, (16, 1)), (128, 4, (1, 128)), (64, 8, (4, 128))])
+@pytest.mark.parametrize("dim,kv_heads,blocks", [(128, 4, (1, 16, False)), (64, 8, (1, 16, True)), (128, 2, (4, 4, False)),
+                                                 (128, 8, (16, 1, False)), (128, 4, (1, 128, False)),
+                                                 (64, 8, (4, 128, False)), (128, 4, (1, 128, True)), (64, 2, (4, 128, True))])
 def test_int8_sage_matches_reference(dim, kv_heads, blocks, skip, build):
+    """``blocks``: Q block, K block, K split per thread (the reference told the same: nothing left to a route)."""
     q, k, v, layout = _inputs(dim, kv_heads=kv_heads)
-    quant = QuantConfig("int8", *blocks)
+    q_block, k_block, per_thread = blocks
+    quant = QuantConfig("int8", q_block, k_block, k_per_thread=per_thread)
     factor = None if skip is None else skip * layout.max_seqlen_kv
     res = _attention(q, k, v, layout, softmax_scale=dim**-0.5, skip_factor=factor, quant=quant,
                      collect_stats=True, defines=BUILDS[build])
@@ -53,18 +56,18 @@ def test_int8_sage_matches_reference(dim, kv_heads, blocks, skip, build):
     assert rel_l1(res.out, _reference(q, k, v, layout).out) < 0.06
 
 
-@pytest.mark.parametrize("k_block", [16, 128])
-def test_fp16_and_smooth_k(k_block):
+@pytest.mark.parametrize("k_block,per_thread", [(16, False), (128, False), (128, True)])
+def test_fp16_and_smooth_k(k_block, per_thread):
     q, k, v, layout = (x.half() if torch.is_tensor(x) else x for x in _inputs(128, kv_heads=4))
-    quant = QuantConfig("int8", 1, k_block, smooth_k=True)
+    quant = QuantConfig("int8", 1, k_block, smooth_k=True, k_per_thread=per_thread)
     res = _attention(q, k, v, layout, softmax_scale=128**-0.5, quant=quant)
     assert res.out.dtype == torch.float16
     assert rel_l1(res.out, _reference(q, k, v, layout, quant=quant, tile_q=64, tile_kv=128).out) < 1.5e-2
 
 
-@pytest.mark.parametrize("k_block", [16, 128])
-def test_coherent_values_over_long_keys(k_block):
-    check_coherent_values(_attention, k_block)
+@pytest.mark.parametrize("k_block,per_thread", [(16, False), (128, False), (128, True)])
+def test_coherent_values_over_long_keys(k_block, per_thread):
+    check_coherent_values(_attention, k_block, per_thread)
 
 
 def test_zero_skip_factor_skips_nothing():
@@ -77,18 +80,24 @@ def test_zero_skip_factor_skips_nothing():
 INT8_ROUTES = [(qk, skip) for qk, skip in ROUTES if qk == "int8"]
 
 
-@pytest.mark.parametrize("build", ["default", "serial_fp32_poly"])
+#: (build, K split per thread): the split on the default build only (it changes the producer's staging alone).
+EXTREME_CASES = [("default", False), ("serial_fp32_poly", False), ("default", True)]
+
+
+@pytest.mark.parametrize("build,per_thread", EXTREME_CASES)
 @pytest.mark.parametrize("dtype_qk,skip", INT8_ROUTES)
 @pytest.mark.parametrize("dtype,magnitude", MAGNITUDES)
-def test_extreme_magnitudes_stay_finite(dtype, magnitude, dtype_qk, skip, build):
-    check_extreme_magnitudes(functools.partial(_attention, defines=BUILDS[build]), 64, dtype, magnitude, dtype_qk, skip)
+def test_extreme_magnitudes_stay_finite(dtype, magnitude, dtype_qk, skip, build, per_thread):
+    check_extreme_magnitudes(functools.partial(_attention, defines=BUILDS[build]), 64, dtype, magnitude, dtype_qk, skip,
+                             per_thread)
 
 
-@pytest.mark.parametrize("build", ["default", "serial_fp32_poly"])
+@pytest.mark.parametrize("build,per_thread", EXTREME_CASES)
 @pytest.mark.parametrize("dtype_qk,skip", INT8_ROUTES)
 @pytest.mark.parametrize("tensor,value", NONFINITE)
-def test_nonfinite_inputs_propagate(tensor, value, dtype_qk, skip, build):
-    check_nonfinite_propagation(functools.partial(_attention, defines=BUILDS[build]), 64, tensor, value, dtype_qk, skip)
+def test_nonfinite_inputs_propagate(tensor, value, dtype_qk, skip, build, per_thread):
+    check_nonfinite_propagation(functools.partial(_attention, defines=BUILDS[build]), 64, tensor, value, dtype_qk, skip,
+                                per_thread)
 
 
 def test_auto_takes_it_for_int8_sage_on_long_keys_only():

@@ -47,7 +47,8 @@ def _structured(lens, heads, dim, gen, locality=3.0):
 
 # ---- checks run in the interpreter child --------------------------------------------------------
 
-def _check_quantize(dtype_qk, q_block, k_block, smooth_k, lens_q=LENS_Q, lens_kv=LENS_KV, mma_key_order=False):
+def _check_quantize(dtype_qk, q_block, k_block, smooth_k, lens_q=LENS_Q, lens_kv=LENS_KV, mma_key_order=False,
+                    k_per_thread=False):
     from diffusers_trtllm.config import QuantConfig
     from diffusers_trtllm.kernels.reference import block_ids, sage_quantize
     from diffusers_trtllm.kernels.triton_quant import sage_quantize_triton
@@ -57,12 +58,12 @@ def _check_quantize(dtype_qk, q_block, k_block, smooth_k, lens_q=LENS_Q, lens_kv
     q = torch.randn(sum(lens_q), 4, 64, generator=gen).half()
     k = (torch.randn(sum(lens_kv), 2, 64, generator=gen) * 3 + 1).half()
     v = torch.randn(sum(lens_kv), 2, 64, generator=gen).half()
-    quant = QuantConfig(dtype_qk, q_block, k_block, smooth_k)
+    quant = QuantConfig(dtype_qk, q_block, k_block, smooth_k, k_per_thread)
     got = sage_quantize_triton(q, k, v, layout, quant, mma_key_order=mma_key_order)
     ref = sage_quantize(q, k, v, layout.cu_seqlens_q, layout.cu_seqlens_kv, layout.q_lens, layout.kv_lens, quant,
                         smooth_v=True)
     q_used = block_ids(layout.cu_seqlens_q, layout.q_lens, q_block)[0].unique()
-    k_used = block_ids(layout.cu_seqlens_kv, layout.kv_lens, k_block)[0].unique()
+    k_used = block_ids(layout.cu_seqlens_kv, layout.kv_lens, k_block, k_per_thread)[0].unique()
     assert torch.equal(got.q_scale[:, q_used], ref.q_scale[:, q_used])
     assert torch.equal(got.k_scale[:, k_used], ref.k_scale[:, k_used])
     assert torch.equal(got.v_scale, ref.v_scale) and torch.equal(got.v_mean, ref.v_mean)
@@ -106,20 +107,24 @@ def _check_quantize_nonfinite_v(value, mma_key_order):
 
 def _check_quantize_properties():
     """Hypothesis draws of ragged KV lengths (empty and short sequences, several V tiles of 64 columns,
-    lengths off the 16-column grid), block sizes and both key orders: bit-equal to the reference, gaps zero."""
+    lengths off the 16-column grid), block sizes (K split per thread or not) and both key orders: bit-equal to
+    the reference, gaps zero."""
     from hypothesis import HealthCheck, example, given, settings
     from hypothesis import strategies as st
 
     @settings(derandomize=True, max_examples=8, deadline=None, database=None,
               suppress_health_check=[HealthCheck.too_slow])
-    @example([5, 0, 130], (1, 16), False, True)  # a sequence shorter than a K block, an empty one
-    @example([0, 17, 128], (4, 4), True, False)
-    @example([130, 300], (1, 128), True, True)  # 128-key blocks: K tiles of 128 tokens, blocks cut short
+    @example([5, 0, 130], (1, 16, False), False, True)  # a sequence shorter than a K block, an empty one
+    @example([0, 17, 128], (4, 4, False), True, False)
+    @example([130, 300], (1, 128, False), True, True)  # 128-key blocks: K tiles of 128 tokens, blocks cut short
+    @example([3, 130, 261], (1, 128, True), False, True)  # split per thread: lanes with no key in a short block
     @given(st.lists(st.integers(0, 300), min_size=1, max_size=4).filter(any),
-           st.sampled_from([(1, 16), (4, 4), (16, 1), (1, 128)]), st.booleans(), st.booleans())
+           st.sampled_from([(1, 16, False), (4, 4, False), (16, 1, False), (1, 128, False), (1, 16, True),
+                            (1, 128, True)]), st.booleans(), st.booleans())
     def check(lens_kv, blocks, smooth_k, mma_key_order):
         lens_q = tuple(min(n, 40) for n in lens_kv)  # a sequence with no keys has no queries either
-        _check_quantize("int8", *blocks, smooth_k, lens_q, tuple(lens_kv), mma_key_order)
+        q_block, k_block, per_thread = blocks
+        _check_quantize("int8", q_block, k_block, smooth_k, lens_q, tuple(lens_kv), mma_key_order, per_thread)
 
     check()
 
@@ -339,10 +344,10 @@ def test_rejects_unsupported_head_dim():
         triton_attention(q, q, q, _layout((8,), (8,)), softmax_scale=0.1)
 
 
-@pytest.mark.parametrize("sm,dtype_qk,mma_key_order,smooth_k,k_block", [
-    (90, "int8", True, False, 128), (90, "int8", True, False, 16), (90, "fp8_e4m3", False, True, 16),
-    (80, "int8", False, False, 16)])
-def test_quantizer_compiles_for_the_gpu(sm, dtype_qk, mma_key_order, smooth_k, k_block):
+@pytest.mark.parametrize("sm,dtype_qk,mma_key_order,smooth_k,k_block,per_thread", [
+    (90, "int8", True, False, 128, True), (90, "int8", True, False, 128, False), (90, "int8", True, False, 16, False),
+    (90, "fp8_e4m3", False, True, 16, False), (80, "int8", False, False, 16, False)])
+def test_quantizer_compiles_for_the_gpu(sm, dtype_qk, mma_key_order, smooth_k, k_block, per_thread):
     """The one-launch quantizer through Triton's whole GPU pipeline (to PTX and cubin) without a GPU: the
     interpreter above checks its values, not that its layouts (the V tiles' fp8 transpose
     and masked stores) lower for a real target. SM80 has no fp8: V is kept in fp16 there.
@@ -367,7 +372,7 @@ def test_quantizer_compiles_for_the_gpu(sm, dtype_qk, mma_key_order, smooth_k, k
     constexprs = dict(H=4, HKV=2, D=128, BLOCK_T=triton_quant.QUANT_BLOCK_T,
                       BLOCK_K=max(triton_quant.QUANT_BLOCK_T, k_block), Q_BS=1, K_BS=k_block,
                       QMAX=127 if dtype_qk == "int8" else 448, IS_INT8=dtype_qk == "int8", SMOOTH_K=smooth_k,
-                      NATIVE=native, MMA_KEY_ORDER=mma_key_order)
+                      NATIVE=native, MMA_KEY_ORDER=mma_key_order, K_PER_THREAD=per_thread)
     for kernel, args, consts in [(triton_quant._sage_quant_kernel, runtime, constexprs)]:
         signature = {name: mangle_type(arg) for name, arg in zip(kernel.arg_names, args)}
         signature.update({name: "constexpr" for name in consts})

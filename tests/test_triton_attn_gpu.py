@@ -74,17 +74,19 @@ def test_dense_matches_reference(dim, kv_heads):
 
 
 @pytest.mark.parametrize("dtype_qk", ["int8", "fp8_e4m3"])
-@pytest.mark.parametrize("blocks", [(1, 16, False), (4, 4, True), (16, 1, False)])
+@pytest.mark.parametrize("blocks", [(1, 16, False, False), (4, 4, True, False), (16, 1, False, False),
+                                    (1, 128, False, True), (4, 16, True, True)])
 def test_sage_quantization_matches_reference(dtype_qk, blocks):
+    """``blocks``: Q block, K block, ``smooth_k``, K split per thread."""
     from diffusers_trtllm.kernels.triton_quant import sage_quantize_triton
 
     q, k, v, layout = _inputs(128)
-    quant = QuantConfig(dtype_qk, *blocks)
+    quant = QuantConfig(dtype_qk, *blocks[:3], k_per_thread=blocks[3])
     got = sage_quantize_triton(q, k, v, layout, quant)
     ref = sage_quantize(q, k, v, layout.cu_seqlens_q, layout.cu_seqlens_kv, layout.q_lens, layout.kv_lens, quant,
                         smooth_v=True)
     q_used = block_ids(layout.cu_seqlens_q, layout.q_lens, quant.q_block_size)[0].unique()
-    k_used = block_ids(layout.cu_seqlens_kv, layout.kv_lens, quant.k_block_size)[0].unique()
+    k_used = block_ids(layout.cu_seqlens_kv, layout.kv_lens, quant.k_block_size, quant.k_per_thread)[0].unique()
     torch.testing.assert_close(got.q_scale[:, q_used], ref.q_scale[:, q_used], rtol=1e-6, atol=0)
     torch.testing.assert_close(got.k_scale[:, k_used], ref.k_scale[:, k_used], rtol=1e-5, atol=1e-9)
     torch.testing.assert_close(got.v_scale, ref.v_scale, rtol=0, atol=0)
@@ -215,10 +217,10 @@ def _extreme_inputs(dtype, magnitude, dim=128):
 NONFINITE = [("q", math.nan), ("k", math.nan), ("v", math.nan), ("k", math.inf)]
 
 
-def check_extreme_magnitudes(attention, tile_q, dtype, magnitude, dtype_qk, skip):
+def check_extreme_magnitudes(attention, tile_q, dtype, magnitude, dtype_qk, skip, k_per_thread=False):
     """``attention`` (the triton or gluon host function, whose skip tiles are ``tile_q x 128``) stays finite."""
     q, k, v, layout = _extreme_inputs(dtype, magnitude)
-    quant = QuantConfig(dtype_qk, 1, 16) if dtype_qk else None
+    quant = QuantConfig(dtype_qk, 1, 16, k_per_thread=k_per_thread) if dtype_qk else None
     factor = None if skip is None else skip * layout.max_seqlen_kv
     out = attention(q, k, v, layout, softmax_scale=128**-0.5, skip_factor=factor, quant=quant).out
     bad = int((~torch.isfinite(out.float())).sum())
@@ -228,11 +230,11 @@ def check_extreme_magnitudes(attention, tile_q, dtype, magnitude, dtype_qk, skip
     assert rel_l1(out, ref.out) < (2e-2 if quant else 1e-2)
 
 
-def check_nonfinite_propagation(attention, tile_q, tensor, value, dtype_qk, skip):
+def check_nonfinite_propagation(attention, tile_q, tensor, value, dtype_qk, skip, k_per_thread=False):
     """A NaN or inf in q/k/v makes ``attention``'s output non-finite wherever the reference's is."""
     q, k, v, layout = _extreme_inputs(torch.bfloat16, 1.0)
     {"q": q, "k": k, "v": v}[tensor][650, 1, 3] = value  # second sequence, past its first KV tile
-    quant = QuantConfig(dtype_qk, 1, 16) if dtype_qk else None
+    quant = QuantConfig(dtype_qk, 1, 16, k_per_thread=k_per_thread) if dtype_qk else None
     factor = None if skip is None else skip * layout.max_seqlen_kv
     out = attention(q, k, v, layout, softmax_scale=128**-0.5, skip_factor=factor, quant=quant).out
     ref = _reference(q, k, v, layout, skip_factor=factor, quant=quant, tile_q=tile_q, tile_kv=128)
@@ -241,7 +243,7 @@ def check_nonfinite_propagation(attention, tile_q, tensor, value, dtype_qk, skip
     assert not (bad_ref & ~bad).any(), f"{int((bad_ref & ~bad).sum())} outputs finite where the reference's are not"
 
 
-def check_coherent_values(attention, k_block: int = 16) -> None:
+def check_coherent_values(attention, k_block: int = 16, k_per_thread: bool = False) -> None:
     """Diffuse attention over 32,768 keys whose values share a per-channel mean (as a model's activations do,
     where the synthetic benches' zero-mean V hides it): every tile's P.V then adds alike into O, which the fp8
     tensor-core accumulator (13 mantissa bits) biases. With V's mean taken off first (smooth_v) the kernel stays
@@ -252,7 +254,7 @@ def check_coherent_values(attention, k_block: int = 16) -> None:
     v = torch.randn(lkv, heads, dim, device="cuda", generator=gen) + torch.randn(heads, dim, device="cuda", generator=gen)
     q, k, v = (x.to(torch.bfloat16) for x in (q, k, v))
     layout = _layout((lq,), (lkv,))
-    quant = QuantConfig("int8", 1, k_block)
+    quant = QuantConfig("int8", 1, k_block, k_per_thread=k_per_thread)
     out = attention(q, k, v, layout, softmax_scale=dim**-0.5, quant=quant).out
     emulated = _reference(q, k, v, layout, quant=quant).out
     dense = _reference(q.float(), k.float(), v.float(), layout).out

@@ -63,6 +63,8 @@ class ProcessorSetting:
     smooth_k: bool = False
     #: SAGE's ``k_block_size`` (None: the library's default).
     k_block: int | None = None
+    #: SAGE's ``k_per_thread`` (None: the library's default).
+    k_per_thread: bool | None = None
     skip: bool = False
     stock: bool = False
     #: The processor's ``policy``: "always" shows what a request gives where "auto" declines it.
@@ -82,6 +84,8 @@ class ProcessorSetting:
                 quant["smooth_k"] = True
             if self.k_block is not None:
                 quant["k_block_size"] = self.k_block
+            if self.k_per_thread is not None:
+                quant["k_per_thread"] = self.k_per_thread
             kwargs["quant"] = quant
         if self.target_sparsity is not None:
             kwargs.update(target_sparsity=self.target_sparsity, disabled_until_timestep=0.0)
@@ -101,6 +105,7 @@ SETTINGS: dict[str, ProcessorSetting] = {
         ProcessorSetting("sage-int8-smooth", quant="int8", smooth_k=True),
         ProcessorSetting("sage-int8-k16", quant="int8", k_block=16),
         ProcessorSetting("sage-int8-k128", quant="int8", k_block=128),
+        ProcessorSetting("sage-int8-k128-blocks", quant="int8", k_block=128, k_per_thread=False),
         ProcessorSetting("sage-int8-k128-smooth", quant="int8", k_block=128, smooth_k=True),
         ProcessorSetting("sage-fp8", quant="fp8_e4m3"),
         ProcessorSetting("skip", skip=True),

@@ -63,19 +63,23 @@ def channel_mean(x: torch.Tensor) -> torch.Tensor:
     return x.mean(dim=0, dtype=torch.float32)
 
 
-def block_ids(cu_seqlens: torch.Tensor, lens: tuple[int, ...], block: int) -> tuple[torch.Tensor, int]:
+def block_ids(cu_seqlens: torch.Tensor, lens: tuple[int, ...], block: int,
+              per_thread: bool = False) -> tuple[torch.Tensor, int]:
     """Scale slot of each packed token, and the number of slots, in FlashInfer's layout.
 
     Token ``t`` of sequence ``b`` uses slot ``cu_seqlens[b] // block + b + t // block``
     out of ``ceil(total / block) + batch - 1``: the ``+ b`` keeps a trailing partial
-    block from being shared with the next sequence (some slots stay unused).
+    block from being shared with the next sequence (some slots stay unused). ``per_thread`` splits every
+    block's slot in four (``QuantConfig.k_per_thread``): slot ``4 * s + (t % 8) // 2``.
     """
     device = cu_seqlens.device
     ids, start = [], 0
     for b, n in enumerate(lens):
-        ids.append(torch.arange(n, device=device) // block + (start // block + b))
+        t = torch.arange(n, device=device)
+        slot = t // block + (start // block + b)
+        ids.append(4 * slot + (t % 8) // 2 if per_thread else slot)
         start += n
-    n_slots = -(-start // block) + len(lens) - 1
+    n_slots = (-(-start // block) + len(lens) - 1) * (4 if per_thread else 1)
     return (torch.cat(ids) if ids else torch.zeros(0, dtype=torch.long, device=device)), n_slots
 
 
@@ -114,7 +118,7 @@ def sage_quantize(
     v_mean = channel_mean(v) if smooth_v else None
     k = k.float() - channel_mean(k) if quant.smooth_k else k.float()
     q_ids, nq = block_ids(cu_seqlens_q, q_lens, quant.q_block_size)
-    k_ids, nk = block_ids(cu_seqlens_kv, kv_lens, quant.k_block_size)
+    k_ids, nk = block_ids(cu_seqlens_kv, kv_lens, quant.k_block_size, quant.k_per_thread)
     q_q, q_scale = _quantize_blocks(q, q_ids, nq, quant.qk_max, quant.qk_dtype)
     k_q, k_scale = _quantize_blocks(k, k_ids, nk, quant.qk_max, quant.qk_dtype)
     v = v.float() if v_mean is None else v.float() - v_mean
@@ -266,6 +270,7 @@ class ReferenceRoute(Route):
         dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
         skip_softmax=True,
         sage_dtypes=frozenset({"int8", "fp8_e4m3"}),
+        k_per_thread=True,
         lse=True,
     )
 

@@ -5,8 +5,8 @@ Q·Kᵀ and fp8 P·V, the row sums added in fp32) written for sm_90a. It is comp
 and cached (``cuda_jit``); without ``nvcc`` the route reports that as its reason.
 
 Semantics are the reference's with ``tile_q = 64``, ``tile_kv = 128`` and ``smooth_v``: SAGE as
-docs/design.md defines it (int8 Q/K with per-block scales, K blocks of ``K_BLOCK`` where the call leaves
-them to the route, ``smooth_k``, fp8 V per channel less its mean, P as ``448 * p`` in fp8), quantized by the
+docs/design.md defines it (int8 Q/K with per-block scales, K blocks of ``K_BLOCK`` (split per thread
+as ``K_PER_THREAD`` says) where the call leaves them to the route, ``smooth_k``, fp8 V per channel less its mean, P as ``448 * p`` in fp8), quantized by the
 ``triton`` route's fused quantizer with V's keys in this kernel's register order.
 """
 
@@ -29,7 +29,7 @@ if TYPE_CHECKING:  # triton_quant imports Triton, which this module leaves to fi
     from .triton_quant import TritonSage
 
 __all__ = ["SageSm90Route", "sage_sm90_attention", "sage_sm90_quantize", "sage_sm90_cubin", "sage_sm90_missing",
-           "kernel_name", "BLOCK_M", "BLOCK_N", "K_BLOCK"]
+           "kernel_name", "BLOCK_M", "BLOCK_N", "K_BLOCK", "K_PER_THREAD"]
 
 #: The skip rule's tiles: 64 query rows (one consumer warpgroup) x 128 keys.
 BLOCK_M, BLOCK_N = 64, 128
@@ -37,6 +37,10 @@ BLOCK_M, BLOCK_N = 64, 128
 #: kernel's blocks (H200: 1.447x / 1.531x cuDNN against 1.366x / 1.430x with 16 on wan_14b_480p / 720p, and a
 #: Wan2.1-14B forward 1.152x / 1.268x against 1.120x / 1.218x; docs/performance.md, fourth sweep).
 K_BLOCK = 128
+#: Whether that block is split per thread where the call leaves ``k_per_thread`` to the route (four K scales per
+#: tile, one per quad lane; a thread's 32 scores of a row still share one): on the H200 as fast as unsplit, at
+#: SageAttention2's K granularity and below its rel-L1 (0.0327 / 0.0323 against 0.0335 / 0.0326; run 23).
+K_PER_THREAD = True
 #: Query rows per CTA (two consumer warpgroups) and threads per CTA (with the producer warpgroup).
 _CTA_ROWS, _THREADS = 128, 384
 _SOURCE = "sage_sm90.cu"
@@ -51,7 +55,8 @@ class _Params(ctypes.Structure):
                 ("stats", ctypes.c_void_p), ("qk_scale_log2", ctypes.c_float), ("skip_factor", ctypes.c_float),
                 ("n_q_blocks", ctypes.c_int), ("n_k_blocks", ctypes.c_int), ("out_stride_t", ctypes.c_longlong),
                 ("out_stride_h", ctypes.c_longlong), ("heads", ctypes.c_int), ("group", ctypes.c_int),
-                ("q_shift", ctypes.c_int), ("k_shift", ctypes.c_int), ("count_skipped", ctypes.c_int)]
+                ("q_shift", ctypes.c_int), ("k_shift", ctypes.c_int), ("count_skipped", ctypes.c_int),
+                ("k_per_thread", ctypes.c_int)]
 
 
 def kernel_name(head_dim: int, dtype: torch.dtype, k_block_size: int, skip: bool) -> str:
@@ -95,7 +100,7 @@ def sage_sm90_quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout
     of ``K_BLOCK`` where ``quant`` leaves them to the route)."""
     from .triton_quant import sage_quantize_triton
 
-    return sage_quantize_triton(q, k, v, layout, quant.with_k_block(K_BLOCK), mma_key_order=True)
+    return sage_quantize_triton(q, k, v, layout, quant.with_k_block(K_BLOCK, K_PER_THREAD), mma_key_order=True)
 
 
 def sage_sm90_attention(
@@ -116,7 +121,7 @@ def sage_sm90_attention(
     ``defines`` builds the kernel with other compile-time knobs (``SAGE_SM90_STAGES=3``,
     ``SAGE_SM90_OVERLAP=0``); ``quantized``, what :func:`sage_sm90_quantize` made of these q, k, v, runs the
     kernel alone: both for the benchmark's sweeps. ``quant.k_block_size`` None takes ``K_BLOCK``."""
-    quant = quant.with_k_block(K_BLOCK)
+    quant = quant.with_k_block(K_BLOCK, K_PER_THREAD)
     _check_call(q, k, quant)
     st = quantized if quantized is not None else sage_sm90_quantize(q, k, v, layout, quant)
     tokens_q, heads, dim = q.shape
@@ -134,7 +139,7 @@ def sage_sm90_attention(
         layout.cu_seqlens_q.data_ptr(), layout.cu_seqlens_kv.data_ptr(), stats.data_ptr(),
         softmax_scale * LOG2E, float(skip_factor or 0.0), st.q_scale.shape[1], st.k_scale.shape[1],
         out.stride(0), out.stride(1), heads, heads // kv_heads,
-        quant.q_block_size.bit_length() - 1, quant.k_block_size.bit_length() - 1, int(count),
+        quant.q_block_size.bit_length() - 1, quant.k_block_size.bit_length() - 1, int(count), int(quant.k_per_thread),
     )
     kernel = _kernels(q.device, tuple(defines))[kernel_name(dim, q.dtype, quant.k_block_size, skip_factor is not None)]
     grid = (-(-layout.max_seqlen_q // _CTA_ROWS), layout.num_seqs * heads, 1)
@@ -152,6 +157,7 @@ class SageSm90Route(Route):
         head_dims=frozenset({64, 128}),
         skip_softmax=True,
         sage_dtypes=frozenset({"int8"}),
+        k_per_thread=True,
     )
 
     def extra_reasons(self, call: AttentionCall) -> list[str]:

@@ -296,6 +296,9 @@ def kernel_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: P
     dim = q.shape[-1]
     if quant is not None and quant.enabled:
         quant = quant.with_k_block(DEFAULT_K_BLOCK)
+        if quant.k_per_thread:
+            raise ValueError("the triton and gluon kernels read one K scale per block; quant.k_per_thread=True is "
+                             "the sage-sm90 kernel's: pass k_per_thread=False here, or use backend='auto' on Hopper.")
         st = triton_quant.sage_quantize_triton(q, k, v, layout, quant)
         return KernelOperands(
             (describe(st.q, [block_m, dim]), describe(st.k, [block_n, dim]), describe(st.vt, [dim, block_n])),

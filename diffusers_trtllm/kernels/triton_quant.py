@@ -163,16 +163,22 @@ def round_fp8_grid(x):
 
 @triton.jit
 def _quantize_tile(x, QMAX: tl.constexpr, BS: tl.constexpr, BLOCK_T: tl.constexpr, IS_INT8: tl.constexpr,
-                   NATIVE: tl.constexpr):
-    """Per-block scales of a ``[BLOCK_T, D]`` fp32 tile whose first row starts a block.
+                   NATIVE: tl.constexpr, PER_THREAD: tl.constexpr):
+    """Per-block scales of a ``[BLOCK_T, D]`` fp32 tile whose first row starts a block: ``[BLOCK_T // BS]``, or
+    with ``PER_THREAD`` ``[BLOCK_T // BS, 4]`` (row ``r`` of a block in lane ``(r % 8) // 2``).
 
     A NaN or inf in a block makes its scale NaN or inf, so the attention output
     turns non-finite as torch's does, instead of the value quantizing to a finite code.
     """
     amax = max_nan(tl.abs(x), 1)
-    block_amax = max_nan(tl.reshape(amax, (BLOCK_T // BS, BS)), 1)
-    scale = tl.math.div_rn(tl.maximum(block_amax, 1.0e-3, propagate_nan=tl.PropagateNan.ALL), QMAX)
-    row_scale = tl.reshape(tl.broadcast_to(scale[:, None], (BLOCK_T // BS, BS)), (BLOCK_T,))
+    if PER_THREAD:  # rows 8i + 2l + e of a block are lane l's
+        lanes = max_nan(max_nan(tl.reshape(amax, (BLOCK_T // BS, BS // 8, 4, 2)), 3), 1)
+        scale = tl.math.div_rn(tl.maximum(lanes, 1.0e-3, propagate_nan=tl.PropagateNan.ALL), QMAX)
+        row_scale = tl.reshape(tl.broadcast_to(scale[:, None, :, None], (BLOCK_T // BS, BS // 8, 4, 2)), (BLOCK_T,))
+    else:
+        block_amax = max_nan(tl.reshape(amax, (BLOCK_T // BS, BS)), 1)
+        scale = tl.math.div_rn(tl.maximum(block_amax, 1.0e-3, propagate_nan=tl.PropagateNan.ALL), QMAX)
+        row_scale = tl.reshape(tl.broadcast_to(scale[:, None], (BLOCK_T // BS, BS)), (BLOCK_T,))
     y = tl.math.div_rn(x, row_scale[:, None])
     if IS_INT8:
         y = tl.clamp(_rne(y), -QMAX, QMAX).to(tl.int8)
@@ -190,7 +196,7 @@ def _sage_quant_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
     Q_BS: tl.constexpr, K_BS: tl.constexpr, QMAX: tl.constexpr, IS_INT8: tl.constexpr,
-    SMOOTH_K: tl.constexpr, NATIVE: tl.constexpr, MMA_KEY_ORDER: tl.constexpr,
+    SMOOTH_K: tl.constexpr, NATIVE: tl.constexpr, MMA_KEY_ORDER: tl.constexpr, K_PER_THREAD: tl.constexpr,
 ):
     # 1D grid: per (head, sequence), its Q tiles, then its K tiles, then its V tiles (tile fastest).
     pid = tl.program_id(0)
@@ -200,11 +206,12 @@ def _sage_quant_kernel(
     head = pid // (tiles * num_seqs)
     if tile < n_q_tiles:
         _quantize_rows(q_ptr, stride_qt, stride_qh, qo_ptr, H, q_scale_ptr, n_q_blocks, k_mean_ptr, cu_q_ptr, seq,
-                       head, tile * BLOCK_T, D, BLOCK_T, Q_BS, QMAX, IS_INT8, NATIVE, False)
+                       head, tile * BLOCK_T, D, BLOCK_T, Q_BS, QMAX, IS_INT8, NATIVE, False, False)
     elif head < HKV:
         if tile < n_q_tiles + n_k_tiles:
             _quantize_rows(k_ptr, stride_kt, stride_kh, ko_ptr, HKV, k_scale_ptr, n_k_blocks, k_mean_ptr, cu_kv_ptr, seq,
-                           head, (tile - n_q_tiles) * BLOCK_K, D, BLOCK_K, K_BS, QMAX, IS_INT8, NATIVE, SMOOTH_K)
+                           head, (tile - n_q_tiles) * BLOCK_K, D, BLOCK_K, K_BS, QMAX, IS_INT8, NATIVE, SMOOTH_K,
+                           K_PER_THREAD)
         else:
             _quantize_v_rows(v_ptr, stride_vt, stride_vh, vt_ptr, vt_stride, v_scale_ptr, v_mean_ptr, v_min_ptr,
                              v_max_ptr, cu_kv_ptr, seq, head, (tile - n_q_tiles - n_k_tiles) * BLOCK_T, D, BLOCK_T,
@@ -214,9 +221,10 @@ def _sage_quant_kernel(
 @triton.jit
 def _quantize_rows(x_ptr, stride_t, stride_h, out_ptr, OUT_HEADS: tl.constexpr, scale_ptr, n_blocks, mean_ptr, cu_ptr, seq,
                    head, local, D: tl.constexpr, BLOCK_T: tl.constexpr, BS: tl.constexpr, QMAX: tl.constexpr,
-                   IS_INT8: tl.constexpr, NATIVE: tl.constexpr, SMOOTH: tl.constexpr):
+                   IS_INT8: tl.constexpr, NATIVE: tl.constexpr, SMOOTH: tl.constexpr, PER_THREAD: tl.constexpr):
     """Tokens ``local .. local + BLOCK_T - 1`` of one head of sequence ``seq`` of Q or K (K less its mean
-    ``mean_ptr`` with ``SMOOTH``), quantized, and their block scales in slots ``cu[seq] // BS + seq + ...``."""
+    ``mean_ptr`` with ``SMOOTH``), quantized, and their block scales in slots ``cu[seq] // BS + seq + ...``
+    (``PER_THREAD``: each block's four in slots ``4 * that + lane``, ``reference.block_ids``)."""
     start = tl.load(cu_ptr + seq)
     length = tl.load(cu_ptr + seq + 1) - start
     if local < length:
@@ -228,11 +236,15 @@ def _quantize_rows(x_ptr, stride_t, stride_h, out_ptr, OUT_HEADS: tl.constexpr, 
         x = x.to(tl.float32)
         if SMOOTH:
             x = tl.where(ok[:, None], x - tl.load(mean_ptr + head * D + dims)[None, :], 0.0)
-        y, scale = _quantize_tile(x, QMAX, BS, BLOCK_T, IS_INT8, NATIVE)
+        y, scale = _quantize_tile(x, QMAX, BS, BLOCK_T, IS_INT8, NATIVE, PER_THREAD)
         tl.store(out_ptr + tok[:, None] * (OUT_HEADS * D) + head * D + dims[None, :], y, mask=ok[:, None])
         blk = tl.arange(0, BLOCK_T // BS)
         first = start // BS + seq + local // BS
-        tl.store(scale_ptr + head * n_blocks + first + blk, scale, mask=(local + blk * BS) < length)
+        if PER_THREAD:
+            slots = 4 * (first + blk)[:, None] + tl.arange(0, 4)[None, :]
+            tl.store(scale_ptr + head * n_blocks + slots, scale, mask=((local + blk * BS) < length)[:, None])
+        else:
+            tl.store(scale_ptr + head * n_blocks + first + blk, scale, mask=(local + blk * BS) < length)
 
 
 @triton.jit
@@ -295,7 +307,7 @@ def sage_quantize_triton(
     if qk_dtype == torch.float8_e4m3fn and q.device.type == "cuda" and not native:
         raise ValueError("quant.dtype_qk='fp8_e4m3' needs an SM89+ GPU; use dtype_qk='int8'.")
     n_q_blocks = scale_slots(layout.q_lens, quant.q_block_size)
-    n_k_blocks = scale_slots(layout.kv_lens, quant.k_block_size)
+    n_k_blocks = scale_slots(layout.kv_lens, quant.k_block_size) * (4 if quant.k_per_thread else 1)
     v_scale = torch.empty(kv_heads, dim, dtype=torch.float32, device=q.device)  # written by the kernel
     k_mean = channel_mean(k) if quant.smooth_k else v_scale  # (unused without smooth_k)
     v_mean = channel_mean(v)  # smooth_v, always (docs/design.md, "V's mean")
@@ -327,6 +339,6 @@ def sage_quantize_triton(
         H=heads, HKV=kv_heads, D=dim, BLOCK_T=QUANT_BLOCK_T, BLOCK_K=block_k,
         Q_BS=quant.q_block_size, K_BS=quant.k_block_size, QMAX=quant.qk_max,
         IS_INT8=qk_dtype == torch.int8, SMOOTH_K=quant.smooth_k, NATIVE=native, MMA_KEY_ORDER=mma_key_order,
-        num_warps=QUANT_WARPS,
+        K_PER_THREAD=quant.k_per_thread, num_warps=QUANT_WARPS,
     )
     return out

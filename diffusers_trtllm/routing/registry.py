@@ -118,6 +118,8 @@ class Capabilities:
     head_dims: frozenset[int] | None = None
     skip_softmax: bool = False
     sage_dtypes: frozenset[str] = frozenset()
+    #: Reads K scales split per thread (``QuantConfig.k_per_thread``).
+    k_per_thread: bool = False
     grouped_query: bool = True
     #: Returns each row's log-sum-exp (``AttentionCall.return_lse``), as ring attention needs.
     lse: bool = False
@@ -168,6 +170,8 @@ def capability_reasons(caps: Capabilities, call: AttentionCall) -> list[str]:
         reasons.append(
             f"no SAGE with dtype_qk={call.quant.dtype_qk}" if caps.sage_dtypes else "no SAGE quantization"
         )
+    if call.quant is not None and call.quant.k_per_thread and not caps.k_per_thread:
+        reasons.append("no K scales per thread (quant.k_per_thread=True: sage-sm90 and the reference read them)")
     if call.return_lse and not caps.lse:
         reasons.append("returns no log-sum-exp (ring attention merges KV shards by it)")
     return reasons

@@ -71,7 +71,7 @@ struct alignas(64) TensorMap { uint64_t opaque[16]; };
 struct Params {
   void* out;               // [tokens_q, heads, D] bf16 or fp16
   const float* q_scale;    // [heads, n_q_blocks]
-  const float* k_scale;    // [kv_heads, n_k_blocks]
+  const float* k_scale;    // [kv_heads, n_k_blocks] (with k_per_thread, four slots per block)
   const float* v_scale;    // [kv_heads, D]
   const float* v_mean;     // [kv_heads, D]: V's mean, taken off before fp8 and added back to the output
   const int* cu_q;         // [num_seqs + 1]
@@ -88,6 +88,7 @@ struct Params {
   int q_shift;             // log2(q_block_size)
   int k_shift;             // log2(k_block_size)
   int count_skipped;
+  int k_per_thread;        // each K block has four scales, key j's being (j % 8) / 2: a quad lane's keys
 };
 
 template <bool B>
@@ -831,14 +832,18 @@ __device__ __forceinline__ void attention(const TensorMap* map_q, const TensorMa
         tma_load_2d(sm.v[s], map_v, &sm.full_v[s], vt_start + n * BLOCK_N, kv_head * D);
       }
     } else if (warp == 1) {
-      const float* k_scale = p.k_scale + kv_head * p.n_k_blocks + (kv_start >> p.k_shift) + seq;
+      // Slots as reference.block_ids numbers them. Split per thread, the consumers' read of key 2t (t: the
+      // quad lane) gives lane t's scale, which covers all of that thread's keys in the block.
+      const int lane_bits = p.k_per_thread ? 2 : 0;
+      const float* k_scale = p.k_scale + kv_head * p.n_k_blocks + (((kv_start >> p.k_shift) + seq) << lane_bits);
       for (int n = 0; n < n_tiles; ++n) {
         const int s = n % STAGES;
         if (n >= STAGES) mbar_wait(&sm.empty[s], ((n / STAGES) + 1) & 1);
 #pragma unroll
         for (int i = 0; i < BLOCK_N / 32; ++i) {
           const int key = min(n * BLOCK_N + lane + 32 * i, kv_len - 1);  // keys past the end are masked anyway
-          sm.k_scale[s][lane + 32 * i] = __ldg(k_scale + (key >> p.k_shift));
+          const int slot = ((key >> p.k_shift) << lane_bits) + (p.k_per_thread ? (key >> 1) & 3 : 0);
+          sm.k_scale[s][lane + 32 * i] = __ldg(k_scale + slot);
         }
         mbar_arrive(&sm.full_k[s]);
       }
