@@ -5,7 +5,8 @@
         (on any machine with nvcc: the cubins a GPU session then carries instead of compiling)
 
 ``--quants k16,k128-smooth`` runs the kernel's rows per SAGE setting (``QUANTS``: K blocks of 16 or 128 keys,
-with or without ``smooth_k``, ``t``: split per thread); rows of settings other than ``k16`` carry the setting's name after the build's.
+with or without ``smooth_k``, ``t``: split per thread); rows of settings other than ``k16`` carry the setting's
+name after the build's.
 
 Whole calls (quantization included), structured inputs (locality 0.5 unless ``--locality``), median CUDA-event time; speed is a
 ratio to cuDNN SDPA timed in the same run on the same inputs; rel-L1 / cosine against fp32 dense attention

@@ -5,9 +5,9 @@ Q·Kᵀ and fp8 P·V, the row sums added in fp32) written for sm_90a. It is comp
 and cached (``cuda_jit``); without ``nvcc`` the route reports that as its reason.
 
 Semantics are the reference's with ``tile_q = 64``, ``tile_kv = 128`` and ``smooth_v``: SAGE as
-docs/design.md defines it (int8 Q/K with per-block scales, K blocks of ``K_BLOCK`` (split per thread
-as ``K_PER_THREAD`` says) where the call leaves them to the route, ``smooth_k``, fp8 V per channel less its mean, P as ``448 * p`` in fp8), quantized by the
-``triton`` route's fused quantizer with V's keys in this kernel's register order.
+docs/design.md defines it (int8 Q/K with per-block scales, K blocks of ``K_BLOCK`` split per thread as
+``K_PER_THREAD`` says where the call leaves them to the route, ``smooth_k``, fp8 V per channel less its mean,
+P as ``448 * p`` in fp8), quantized by the ``triton`` route's fused quantizer with V's keys in this kernel's register order.
 """
 
 from __future__ import annotations

@@ -162,6 +162,12 @@ def round_fp8_grid(x):
 
 
 @triton.jit
+def _amax_scale(amax, qmax):
+    """The scale of values whose amax is ``amax``, on a grid of magnitude ``qmax`` (NaN stays NaN)."""
+    return tl.math.div_rn(tl.maximum(amax, _AMAX_FLOOR, propagate_nan=tl.PropagateNan.ALL), qmax)
+
+
+@triton.jit
 def _quantize_tile(x, QMAX: tl.constexpr, BS: tl.constexpr, BLOCK_T: tl.constexpr, IS_INT8: tl.constexpr,
                    NATIVE: tl.constexpr, PER_THREAD: tl.constexpr):
     """Per-block scales of a ``[BLOCK_T, D]`` fp32 tile whose first row starts a block: ``[BLOCK_T // BS]``, or
@@ -172,12 +178,10 @@ def _quantize_tile(x, QMAX: tl.constexpr, BS: tl.constexpr, BLOCK_T: tl.constexp
     """
     amax = max_nan(tl.abs(x), 1)
     if PER_THREAD:  # rows 8i + 2l + e of a block are lane l's
-        lanes = max_nan(max_nan(tl.reshape(amax, (BLOCK_T // BS, BS // 8, 4, 2)), 3), 1)
-        scale = tl.math.div_rn(tl.maximum(lanes, 1.0e-3, propagate_nan=tl.PropagateNan.ALL), QMAX)
+        scale = _amax_scale(max_nan(max_nan(tl.reshape(amax, (BLOCK_T // BS, BS // 8, 4, 2)), 3), 1), QMAX)
         row_scale = tl.reshape(tl.broadcast_to(scale[:, None, :, None], (BLOCK_T // BS, BS // 8, 4, 2)), (BLOCK_T,))
     else:
-        block_amax = max_nan(tl.reshape(amax, (BLOCK_T // BS, BS)), 1)
-        scale = tl.math.div_rn(tl.maximum(block_amax, 1.0e-3, propagate_nan=tl.PropagateNan.ALL), QMAX)
+        scale = _amax_scale(max_nan(tl.reshape(amax, (BLOCK_T // BS, BS)), 1), QMAX)
         row_scale = tl.reshape(tl.broadcast_to(scale[:, None], (BLOCK_T // BS, BS)), (BLOCK_T,))
     y = tl.math.div_rn(x, row_scale[:, None])
     if IS_INT8:
@@ -264,7 +268,7 @@ def _quantize_v_rows(v_ptr, stride_t, stride_h, vt_ptr, vt_stride, v_scale_ptr, 
     mean = tl.load(v_mean_ptr + head * D + dims)
     vmax = tl.load(v_max_ptr + head * D + dims).to(tl.float32)
     vmin = tl.load(v_min_ptr + head * D + dims).to(tl.float32)
-    scale = _v_scale(_maximum_nan(vmax - mean, mean - vmin))
+    scale = _amax_scale(_maximum_nan(vmax - mean, mean - vmin), _FP8_MAX)
     if (seq == 0) & (local == 0):
         tl.store(v_scale_ptr + head * D + dims, scale)
     start = tl.load(cu_ptr + seq)
@@ -282,12 +286,6 @@ def _quantize_v_rows(v_ptr, stride_t, stride_h, vt_ptr, vt_stride, v_scale_ptr, 
         vq = tl.trans(y.to(tl.float8e4nv) if NATIVE else y.to(tl.float16))  # [channels, columns]
         v_rows = vt_ptr + (head * D + dims)[:, None].to(tl.int64) * vt_stride
         tl.store(v_rows + (first + local + cols)[None, :], vq, mask=(local + cols < span)[None, :])
-
-
-@triton.jit
-def _v_scale(amax):
-    """V's per-channel scale from its amax (NaN stays NaN)."""
-    return tl.math.div_rn(tl.maximum(amax, _AMAX_FLOOR, propagate_nan=tl.PropagateNan.ALL), _FP8_MAX)
 
 
 def sage_quantize_triton(
