@@ -77,6 +77,22 @@ def test_zero_skip_factor_skips_nothing():
     assert res.skipped_tiles == 0
 
 
+@pytest.mark.parametrize("skip", [None, 0.02])
+def test_a_call_never_waits_on_the_host(skip):
+    """Short sequences (Flux's) are bound by a call's fixed cost: no device-to-host copy or sync in one
+    (issue 21), the quantizer's launch included."""
+    q, k, v, layout = _inputs(128, kv_heads=4)
+    kw = dict(softmax_scale=128**-0.5, quant=QuantConfig("int8"),
+              skip_factor=None if skip is None else skip * layout.max_seqlen_kv)
+    _attention(q, k, v, layout, **kw)  # the first call loads the cubin
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        _attention(q, k, v, layout, **kw)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 INT8_ROUTES = [(qk, skip) for qk, skip in ROUTES if qk == "int8"]
 
 
