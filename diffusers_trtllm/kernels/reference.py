@@ -16,7 +16,7 @@ from ..config import DEFAULT_K_BLOCK, QuantConfig
 from ..routing.registry import AttentionCall, AttentionResult, Capabilities, Route, register_route
 
 __all__ = ["ReferenceResult", "ReferenceRoute", "reference_attention", "sage_quantize", "SageTensors", "P_FP8_SCALE",
-           "channel_mean"]
+           "channel_mean", "scale_slots"]
 
 #: Floor of a block's amax before it becomes a scale (docs/design.md, SAGE quantization).
 AMAX_FLOOR = 1.0e-3
@@ -63,6 +63,11 @@ def channel_mean(x: torch.Tensor) -> torch.Tensor:
     return x.mean(dim=0, dtype=torch.float32)
 
 
+def scale_slots(lens: tuple[int, ...], block: int, per_thread: bool = False) -> int:
+    """Scale slots of FlashInfer's layout, ``ceil(total / block) + num_seqs - 1``; four per block split per thread."""
+    return (-(-sum(lens) // block) + len(lens) - 1) * (4 if per_thread else 1)
+
+
 def block_ids(cu_seqlens: torch.Tensor, lens: tuple[int, ...], block: int,
               per_thread: bool = False) -> tuple[torch.Tensor, int]:
     """Scale slot of each packed token, and the number of slots, in FlashInfer's layout.
@@ -79,8 +84,7 @@ def block_ids(cu_seqlens: torch.Tensor, lens: tuple[int, ...], block: int,
         slot = t // block + (start // block + b)
         ids.append(4 * slot + (t % 8) // 2 if per_thread else slot)
         start += n
-    n_slots = (-(-start // block) + len(lens) - 1) * (4 if per_thread else 1)
-    return (torch.cat(ids) if ids else torch.zeros(0, dtype=torch.long, device=device)), n_slots
+    return (torch.cat(ids) if ids else torch.zeros(0, dtype=torch.long, device=device)), scale_slots(lens, block, per_thread)
 
 
 def _quantize_blocks(x: torch.Tensor, ids: torch.Tensor, n_blocks: int, qmax: float, dtype: torch.dtype):

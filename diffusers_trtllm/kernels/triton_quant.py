@@ -41,7 +41,7 @@ import triton.language as tl
 
 from ..config import DEFAULT_K_BLOCK, QuantConfig
 from ..layout import PackedLayout
-from .reference import AMAX_FLOOR, FP8_MAX, channel_mean
+from .reference import AMAX_FLOOR, FP8_MAX, channel_mean, scale_slots
 
 __all__ = ["TritonSage", "sage_quantize_triton", "mma_key_column", "fp8_native", "interpreting", "round_fp8_grid", "vt_start", "max_nan"]
 
@@ -103,11 +103,6 @@ class TritonSage:
         if self.mma_key_order:
             cols = mma_key_column.fn(cols)
         return self.vt[:, cols.to(self.vt.device)].reshape(kv_heads, dim, -1).permute(2, 0, 1)
-
-
-def scale_slots(lens: tuple[int, ...], block: int) -> int:
-    """Scale slots of FlashInfer's layout: ``ceil(total / block) + num_seqs - 1``."""
-    return -(-sum(lens) // block) + len(lens) - 1
 
 
 @triton.jit
@@ -305,7 +300,7 @@ def sage_quantize_triton(
     if qk_dtype == torch.float8_e4m3fn and q.device.type == "cuda" and not native:
         raise ValueError("quant.dtype_qk='fp8_e4m3' needs an SM89+ GPU; use dtype_qk='int8'.")
     n_q_blocks = scale_slots(layout.q_lens, quant.q_block_size)
-    n_k_blocks = scale_slots(layout.kv_lens, quant.k_block_size) * (4 if quant.k_per_thread else 1)
+    n_k_blocks = scale_slots(layout.kv_lens, quant.k_block_size, quant.k_per_thread)
     v_scale = torch.empty(kv_heads, dim, dtype=torch.float32, device=q.device)  # written by the kernel
     k_mean = channel_mean(k) if quant.smooth_k else v_scale  # (unused without smooth_k)
     v_mean = channel_mean(v)  # smooth_v, always (docs/design.md, "V's mean")
