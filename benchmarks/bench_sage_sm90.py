@@ -2,7 +2,10 @@
 
     python3 benchmarks/bench_sage_sm90.py --shapes wan_14b_480p,flux_1024 --out benchmarks/results/sage_sm90_sweep_h200.json
     DIFFUSERS_TRTLLM_CACHE=.cubin-cache python3 benchmarks/bench_sage_sm90.py --builds default,serial --build-only
-        (on any machine with nvcc: the cubins a GPU session then carries instead of compiling)
+        (on any machine with NVRTC or nvcc, no GPU needed: the cubins a GPU session then carries instead of compiling)
+
+``--nvcc PATH`` adds rows of the default build compiled by that nvcc instead of NVRTC (the library's compiler
+where no ``$DIFFUSERS_TRTLLM_NVCC`` is set), to compare the two compilers' kernels in one run.
 
 ``--quants k16,k128-smooth`` runs the kernel's rows per SAGE setting (``QUANTS``: K blocks of 16 or 128 keys,
 with or without ``smooth_k``, ``t``: split per thread); rows of settings other than ``k16`` carry the setting's
@@ -24,19 +27,17 @@ import os
 import platform
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.nn.functional as F
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from tqdm import tqdm
 
 from diffusers_trtllm.bench.inputs import parse_shapes, structured_qkv
 from diffusers_trtllm.bench.suite import heads_subset
 from diffusers_trtllm.bench.timing import time_fn
 from diffusers_trtllm.config import QuantConfig
-from diffusers_trtllm.kernels.sage_sm90 import (BLOCK_M, BLOCK_N, sage_sm90_attention, sage_sm90_cubin,
+from diffusers_trtllm.kernels.sage_sm90 import (BLOCK_M, BLOCK_N, VARIANTS, build_kernels, sage_sm90_attention,
                                                  sage_sm90_quantize)
 from diffusers_trtllm.kernels.triton_attn import triton_attention
 from diffusers_trtllm.layout import PackedLayout
@@ -57,23 +58,33 @@ BUILDS = {
 }
 
 
-#: SAGE settings the kernel's rows run with, by name ("k16" rows carry no suffix).
+#: SAGE settings the kernel's rows run with, by name ("k16" rows carry no suffix): K blocks of 16 or 128 keys,
+#: ``t`` split per thread, ``-smooth`` with ``smooth_k`` (``k128t-smooth``: the route's default).
 QUANTS = {
-    "k16": QuantConfig("int8", 1, 16, k_per_thread=False),
+    "k16": QuantConfig("int8", 1, 16, smooth_k=False, k_per_thread=False),
     "k16-smooth": QuantConfig("int8", 1, 16, smooth_k=True, k_per_thread=False),
-    "k16t": QuantConfig("int8", 1, 16, k_per_thread=True),
-    "k128": QuantConfig("int8", 1, 128, k_per_thread=False),
+    "k16t": QuantConfig("int8", 1, 16, smooth_k=False, k_per_thread=True),
+    "k128": QuantConfig("int8", 1, 128, smooth_k=False, k_per_thread=False),
     "k128-smooth": QuantConfig("int8", 1, 128, smooth_k=True, k_per_thread=False),
-    "k128t": QuantConfig("int8", 1, 128, k_per_thread=True),
+    "k128t": QuantConfig("int8", 1, 128, smooth_k=False, k_per_thread=True),
+    "k128t-smooth": QuantConfig("int8", 1, 128, smooth_k=True, k_per_thread=True),
 }
 
 
-def run_shape(shape, builds, quants, targets, iters, locality, v_mean) -> list[dict]:
+def _compiled_by(nvcc: str, fn):
+    """``fn`` with the kernel built by ``nvcc`` (``$DIFFUSERS_TRTLLM_NVCC``, which the library then prefers)."""
+    def run():
+        os.environ["DIFFUSERS_TRTLLM_NVCC"] = nvcc
+        try:
+            return fn()
+        finally:
+            del os.environ["DIFFUSERS_TRTLLM_NVCC"]
+    return run
+
+
+def run_shape(shape, builds, quants, targets, iters, locality, k_mean, v_mean, nvcc=None) -> list[dict]:
     dev = torch.device("cuda")
-    q, k, v = (x[0].contiguous() for x in structured_qkv(shape, locality, device=dev))
-    if v_mean:  # a per-(head, channel) mean under V's unit noise, as a model's values have
-        offset = torch.randn(shape.heads, shape.head_dim, device=dev, generator=torch.Generator(dev).manual_seed(1))
-        v = (v.float() + v_mean * offset).to(v.dtype)
+    q, k, v = (x[0].contiguous() for x in structured_qkv(shape, locality, device=dev, k_mean=k_mean, v_mean=v_mean))
     layout = PackedLayout.dense(1, q.shape[0], k.shape[0], dev)
     scale = shape.head_dim**-0.5
     heads = heads_subset(shape.heads, 4)
@@ -81,7 +92,7 @@ def run_shape(shape, builds, quants, targets, iters, locality, v_mean) -> list[d
         sub = [x[:, heads].float().transpose(0, 1)[None] for x in (q, k, v)]
         ref = F.scaled_dot_product_attention(*sub, scale=scale)[0].transpose(0, 1)
     crit = tile_criticals(q[:, heads], k[:, heads], scale, BLOCK_M, BLOCK_N)
-    quant = QuantConfig("int8", 1, 16)
+    quant = QuantConfig("int8", 1, 16, smooth_k=False)
     qh, kh, vh = (x.transpose(0, 1)[None].contiguous() for x in (q, k, v))
 
     def cudnn():
@@ -112,6 +123,11 @@ def run_shape(shape, builds, quants, targets, iters, locality, v_mean) -> list[d
             for label, factor in [("", None), ("+skip0", 0.0), *((f"+skip{int(t * 100)}", f) for t, f in factors.items())]:
                 impls[f"sage-sm90[{name}{tag}]{label}"] = lambda d=defines, f=factor, qc=qc: sage_sm90_attention(
                     q, k, v, layout, softmax_scale=scale, quant=qc, skip_factor=f, defines=d).out
+        if nvcc and "default" in builds:
+            for label, factor in [("", None), *((f"+skip{int(t * 100)}", f) for t, f in factors.items())]:
+                impls[f"sage-sm90[default{tag}] nvcc{label}"] = _compiled_by(
+                    nvcc, lambda f=factor, qc=qc: sage_sm90_attention(q, k, v, layout, softmax_scale=scale, quant=qc,
+                                                                      skip_factor=f).out)
         # Where a whole call's time goes (default build): the quantizer alone, the kernel alone on its output.
         quantized = sage_sm90_quantize(q, k, v, layout, qc)
         impls[f"sage-sm90{tag} quantizer only"] = functools.partial(quantize_only, qc)
@@ -161,7 +177,7 @@ def markdown(result: dict) -> str:
     env = result["environment"]
     lines = [f"GPU {env['gpu']}, torch {env['torch']}, CUDA {env['cuda']}, cuDNN {env['cudnn']}, "
              f"SageAttention {env.get('sageattention', 'not recorded')}, input locality {env.get('locality', 0.5)}, "
-             f"V mean {env.get('v_mean', 0.0)}; "
+             f"K mean {env.get('k_mean', 0.0)}, V mean {env.get('v_mean', 0.0)}; "
              f"`{result['command']}`", "",
              "`host ms`: CPU time to enqueue one call (measured on calls under 5 ms); a call cannot run faster.", "",
              "| shape | implementation | ms | vs cuDNN | rel-L1 | cosine | host ms |", "|---|---|---:|---:|---:|---:|---:|"]
@@ -189,14 +205,18 @@ def main() -> None:
     p.add_argument("--locality", type=float, default=0.5,
                    help="inputs' local structure (0: diffuse attention over every key, where error that grows with "
                         "the number of tiles shows most)")
+    p.add_argument("--k-mean", type=float, default=0.0,
+                   help="a per-channel mean added to K, in K's standard deviations (0: zero-mean K; a trained "
+                        "model's keys have one of a few, which int8 K blocks are sensitive to unless smoothed)")
     p.add_argument("--v-mean", type=float, default=0.0,
-                   help="std of a per-channel mean added to V (0: zero-mean V; a model's values have one, which "
-                        "the fp8 accumulator of P.V is sensitive to)")
+                   help="a per-channel mean added to V, in V's standard deviations (0: zero-mean V; a model's "
+                        "values have one, which the fp8 accumulator of P.V is sensitive to)")
     p.add_argument("--out", default=None, help="JSON results file; a Markdown table is written beside it")
     p.add_argument("--build-only", action="store_true",
                    help="compile the builds' cubins into the cache ($DIFFUSERS_TRTLLM_CACHE) and stop: no GPU needed, "
                         "so a GPU session can carry them instead of compiling")
     p.add_argument("--jobs", type=int, default=os.cpu_count(), help="builds at once with --build-only")
+    p.add_argument("--nvcc", default=None, help="also time the default build compiled by this nvcc")
     args = p.parse_args()
     unknown = [b for b in args.builds.split(",") if b and b not in BUILDS]
     if unknown:
@@ -206,20 +226,22 @@ def main() -> None:
     if unknown:
         p.error(f"unknown quants {unknown}; known: {', '.join(QUANTS)}")
     quants = {x: QUANTS[x] for x in args.quants.split(",") if x}
-    if args.build_only:  # nvcc is single-threaded: one build per core
-        with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-            cubins = pool.map(sage_sm90_cubin, builds.values())
-            for name, cubin in tqdm(zip(builds, cubins), total=len(builds), desc="nvcc", unit="build"):
-                print(name, cubin, flush=True)
+    if args.build_only:
+        dims = {shape.head_dim for shape in parse_shapes(args.shapes)}
+        blocks = {qc.k_block_size for qc in quants.values()}
+        variants = [v for v in VARIANTS if v.head_dim in dims and v.k_block_size in blocks and v.out_dtype == torch.bfloat16]
+        for cubin in build_kernels(variants, builds.values(), args.jobs):
+            print(cubin)
         return
     targets = [float(x) for x in args.target_skips.split(",") if x]
     rows = []
     for shape in parse_shapes(args.shapes):
-        rows += run_shape(shape, builds, quants, targets, args.iters, args.locality, args.v_mean)
+        rows += run_shape(shape, builds, quants, targets, args.iters, args.locality, args.k_mean, args.v_mean,
+                          args.nvcc)
         torch.cuda.empty_cache()
     if args.out:
-        write_result(args.out, "bench_sage_sm90.py", environment(locality=args.locality, v_mean=args.v_mean), rows,
-                     markdown)
+        write_result(args.out, "bench_sage_sm90.py",
+                     environment(locality=args.locality, k_mean=args.k_mean, v_mean=args.v_mean), rows, markdown)
 
 
 def environment(**extra) -> dict:

@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # Device calls (each under 10 minutes) for the sage-sm90 kernel on an H100/H200, by section: `build` (the
-# cubins, one build per core), `tests` (its GPU tests and the triton route's), `sweep` (K blocks of 16 and 128,
+# cubins, one build per core: every variant by `build-kernels`, and the GPU tests' other builds), `tests` (its GPU
+# tests and the triton route's), `first-use` (a cold first int8 call by NVRTC and by nvcc, and what `auto` runs,
+# with nvcc hidden as from a plain pip install), `sweep-kmean` (the default beside SageAttention2 and the
+# unsmoothed kernel, NVRTC and nvcc builds, on keys with a per-channel mean), `e2e-no-toolkit` (Wan2.1-14B 480p
+# forwards with nvcc hidden: no FlashInfer JIT), `sweep` (K blocks of 16 and 128,
 # split per thread or not, beside cuDNN and SageAttention2), `sweep-vmean` (the same on V with a per-channel mean), `quantizer` (the
 # quantizer's launch settings), `probe` (the kernels' error on a model's activations), `ncu` (what bounds the
 # default build) and `e2e` (Wan2.1-14B forwards).
@@ -11,12 +15,31 @@ source .whl/setup.sh
 export PYTHONUNBUFFERED=1 DIFFUSERS_TRTLLM_CACHE="${DIFFUSERS_TRTLLM_CACHE:-$(pwd)/.cubin-cache}"
 out="${OUT:-/tmp}"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+nvcc_path="$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)"
+# What a user without the CUDA toolkit has: no nvcc on PATH or under CUDA_HOME (FlashInfer's JIT then cannot build).
+no_toolkit=(env CUDA_HOME=/nonexistent "PATH=$(echo "$PATH" | tr ':' '\n' | grep -vi cuda | paste -sd:)")
 for section in "$@"; do
   echo "== $section"
   case "$section" in
-  build)  # every build the GPU tests and the sweeps use
-    python3 benchmarks/bench_sage_sm90.py --build-only \
-      --builds default,serial-fp32-poly,serial,fp32-poly,nopingpong,2stages,softexp2,softexp6 2>&1 | grep -v "build/s" ;;
+  build)  # every variant of the default build (the command users run), and the GPU tests' other builds in bf16
+    python3 -m diffusers_trtllm build-kernels --jobs 16 2>&1 | tail -1
+    PYTHONPATH="tests:$PYTHONPATH" python3 -c "
+import torch; from test_sage_sm90_gpu import BUILDS; from diffusers_trtllm.kernels.sage_sm90 import VARIANTS, build_kernels
+print(len(build_kernels([v for v in VARIANTS if v.out_dtype == torch.bfloat16], [b for b in BUILDS.values() if b], 16)))
+" 2>&1 | tail -1 ;;
+  first-use)
+    timeout 200 "${no_toolkit[@]}" python3 benchmarks/bench_first_use.py --nvcc "$nvcc_path" \
+      --out "$out/first_use.json" 2>&1 | grep -v "^\s*$" | tail -12 ;;
+  sweep-kmean)  # the default (k128t-smooth) beside k128t, on keys with a channel mean and on plain structured ones
+    timeout 150 python3 benchmarks/bench_sage_sm90.py --shapes wan_14b_480p,wan_14b_720p --builds default \
+      --quants k128t,k128t-smooth --k-mean 4 --target-skips "" --iters 10 --nvcc "$nvcc_path" \
+      --out "$out/sage_sm90_sweep_kmean.json" | grep -v skip0
+    timeout 150 python3 benchmarks/bench_sage_sm90.py --shapes wan_14b_480p,wan_14b_720p --builds default \
+      --quants k128t,k128t-smooth --target-skips 0.5 --iters 10 --out "$out/sage_sm90_sweep_smooth.json" | grep -v skip0 ;;
+  e2e-no-toolkit)  # Wan2.1-14B 480p, random weights, nvcc hidden: the default (dense), int8 (smoothed) and unsmoothed
+    timeout 400 "${no_toolkit[@]}" python3 -m diffusers_trtllm.bench e2e --models wan2.1-t2v-14b --weights random \
+      --configs stock,dense,sage-int8,sage-int8-nosmooth,stock-sage2 --warmup 0 --iters 2 --time-limit 300 \
+      --out "$out" --name "${E2E_NAME:-e2e_h200_no_toolkit}" --no-progress 2>&1 | grep -v "^\s*$" | tail -20 ;;
   tests)  # the kernel's, and the triton and gluon routes' (the same quantizer)
     timeout 260 python3 -m pytest -q -p no:cacheprovider tests/test_sage_sm90_gpu.py tests/test_triton_attn_gpu.py \
       tests/test_gluon_attn_gpu.py 2>&1 | tee "$out/gpu_tests_sage_sm90.log" | tail -5 ;;

@@ -12,6 +12,9 @@ per-step tables. Its wall times are the CPU running reference code, not a measur
 ``python -m diffusers_trtllm calibrate --model ID --prompts FILE --out calib.json`` measures
 where skip-softmax would skip and writes a ModelOpt ``sparse_attention_config``; without
 ``--model`` it calibrates the tiny offline pipeline.
+
+``python -m diffusers_trtllm build-kernels`` compiles every variant of the project's CUDA kernel
+into the cache (``$DIFFUSERS_TRTLLM_CACHE``), for a Docker image or an offline machine; no GPU needed.
 """
 
 from __future__ import annotations
@@ -412,14 +415,53 @@ def run_calibrate(args: argparse.Namespace) -> Any:
     return cal
 
 
+def parse_build_args(argv: list[str]) -> argparse.Namespace:
+    """The ``build-kernels`` command's arguments."""
+    p = _Parser(
+        prog=f"{PROG} build-kernels", formatter_class=_HelpFormatter, allow_abbrev=False,
+        description="Compile every variant of the sage-sm90 CUDA kernel (head dim, output dtype, K block, skip) into "
+                    "the cubin cache, so that no attention call waits for a build: for a Docker image or an offline "
+                    "machine. Uses NVRTC (torch's CUDA wheels install it) or the nvcc that DIFFUSERS_TRTLLM_NVCC names; "
+                    "needs no GPU. The cache is $DIFFUSERS_TRTLLM_CACHE/cubin (default ~/.cache/diffusers_trtllm/cubin).")
+    p.add_argument("--cache", default=None, help="cache folder to fill (sets DIFFUSERS_TRTLLM_CACHE for this run)")
+    p.add_argument("--jobs", type=_checked(int, _positive), default=None, help="builds at once (None: one per core)")
+    p.add_argument("--debug", action="store_true", help="show the traceback of an error, not just its line")
+    args = p.parse_args(argv)
+    if args.cache:
+        why = _writable_directory(args.cache)
+        if why:
+            p.error(f"argument --cache: cannot write to {args.cache!r}: {why}; pass a writable folder")
+    return args
+
+
+def run_build_kernels(args: argparse.Namespace) -> list[str]:
+    """Fill the cubin cache with every sage-sm90 variant; prints where they are."""
+    if args.cache:
+        os.environ["DIFFUSERS_TRTLLM_CACHE"] = os.path.abspath(args.cache)
+    from .kernels import cuda_jit
+    from .kernels.sage_sm90 import VARIANTS, build_kernels
+
+    cubins = build_kernels(VARIANTS, jobs=args.jobs)
+    print(f"{len(cubins)} sage-sm90 kernels in {cuda_jit.cache_dir()} (built by {cuda_jit.find_compiler().version}); "
+          "the Triton quantizer beside them compiles on the GPU at first use, in seconds.")
+    return [str(c) for c in cubins]
+
+
+#: Subcommands, by first argument: (argument parser, runner).
+COMMANDS: dict[str, tuple[Callable[[list[str]], argparse.Namespace], Callable[[argparse.Namespace], Any]]] = {
+    "calibrate": (parse_calibrate_args, run_calibrate),
+    "build-kernels": (parse_build_args, run_build_kernels),
+}
+
+
 def main(argv: list[str] | None = None) -> None:
     """``python -m diffusers_trtllm`` and the ``diffusers-trtllm`` console script."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    calibrating = argv[:1] == ["calibrate"]
-    args = parse_calibrate_args(argv[1:]) if calibrating else parse_args(argv)
+    command = argv[0] if argv and argv[0] in COMMANDS else None
+    args = COMMANDS[command][0](argv[1:]) if command else parse_args(argv)
     try:
-        if calibrating:
-            run_calibrate(args)
+        if command:
+            COMMANDS[command][1](args)
         elif args.model:
             run_model(args)
         else:
@@ -429,7 +471,7 @@ def main(argv: list[str] | None = None) -> None:
             raise
         text = str(getattr(err, "brief", None) or err).strip()  # NoRouteError's one-line form keeps its reasons
         line = text.splitlines()[0] if text else type(err).__name__
-        sys.exit(f"{PROG}{' calibrate' if calibrating else ''}: error: {line} (--debug shows the traceback)")
+        sys.exit(f"{PROG}{' ' + command if command else ''}: error: {line} (--debug shows the traceback)")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import replace
 from typing import Any, Mapping
 
@@ -18,6 +18,8 @@ from .routing.policy import apply_policy
 __all__ = ["attention", "run_attention", "check_tensors", "resolve_skip_factor", "resolve_quant", "build_layout", "check_route_choice"]
 
 FALLBACKS = (None, "dense")
+#: The step table's note on a dense call that ran the caller's own SDPA call (``run_attention``'s ``stock``).
+STOCK_SDPA_NOTE = "dense on the family's own SDPA call"
 
 
 def check_route_choice(backend: str, fallback: str | None, where: str = "") -> None:
@@ -171,6 +173,7 @@ def run_attention(
     honour: Collection[str] = (),
     return_lse: bool = False,
     kv_shards: int = 1,
+    stock: Callable[[], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, AttentionResult]:
     """Attention over ``[batch, tokens, heads, dim]`` tensors; returns the output and the route's result.
 
@@ -182,6 +185,9 @@ def run_attention(
     ``return_lse``: the result also carries each query row's log-sum-exp, ``result.lse``
     ``[batch, q_tokens, heads]`` float32 (only routes that return it can serve the call);
     ``kv_shards``: the keys are one of that many equal KV shards of the sequence (ring attention).
+    ``stock``: the caller's own attention for these inputs (the processor's: the family's stock call). A dense
+    call that would run on ``sdpa`` runs it instead, so where no faster dense kernel can run (no FlashInfer
+    JIT) the call is exactly what stock Diffusers makes, never slower.
     """
     check_route_choice(backend, fallback)
     check_tensors(query, key, value)
@@ -230,6 +236,9 @@ def run_attention(
             _why_not(err),
         )
         call = dense
+    if route.name == "sdpa" and stock is not None and call.skip_factor is None and call.quant is None and not return_lse:
+        out = stock()
+        return out, AttentionResult(out, route.name, note=decision.note or STOCK_SDPA_NOTE)
     result = route.run(call)
     result.sparse, result.sage, result.note = call.skip_factor is not None, call.quant is not None, decision.note
     if result.lse is not None:

@@ -13,7 +13,9 @@ Accepted forms (``SkipSoftmaxConfig.coerce`` / ``QuantConfig.coerce``):
   or ``torch.int8`` / ``torch.float8_e4m3fn``, or a dict with ``dtype_qk``,
   ``q_block_size``, ``k_block_size``, ``k_per_thread``, ``smooth_k``. ``k_block_size`` and ``k_per_thread``
   left out (None) are the route's choice: ``DEFAULT_K_BLOCK`` (16, FlashInfer's) on every route but
-  ``sage-sm90``, which takes 128 (split per thread as ``sage_sm90.K_PER_THREAD`` says).
+  ``sage-sm90``, which takes 128 (split per thread as ``sage_sm90.K_PER_THREAD`` says). ``smooth_k`` is on
+  unless set False: trained models' keys carry a per-channel mean shared by every token, which softmax ignores
+  but int8's per-block scales do not (docs/design.md, "K's mean").
 
 ``skip_softmax_threshold`` must lie in [0, 1): it is the longest sequence's
 ``lambda``, and a tile is skipped when its scores stay below ``lambda`` times the
@@ -267,7 +269,8 @@ class QuantConfig:
     q_block_size: int = 1
     #: None: the route's block (``with_k_block``).
     k_block_size: int | None = None
-    smooth_k: bool = False
+    #: Take K's per-(head, channel) mean off before quantizing (softmax is unchanged by it; SageAttention's default).
+    smooth_k: bool = True
     #: Split each K block into four scales, one per lane of a Hopper MMA quad: key ``j`` of a block takes
     #: scale ``(j % 8) // 2`` of it (SageAttention2's ``per_thread``; docs/design.md, "K scales per thread").
     #: None: the route's choice (``with_k_block``).
@@ -314,7 +317,7 @@ class QuantConfig:
             dtype_qk=q.get("dtype_qk"),
             q_block_size=q.get("q_block_size", 1),
             k_block_size=q.get("k_block_size"),
-            smooth_k=q.get("smooth_k", False),
+            smooth_k=q.get("smooth_k", True),
             k_per_thread=q.get("k_per_thread"),
         )
 

@@ -111,11 +111,9 @@ def test_settings_build_processor_arguments():
         "disabled_until_timestep": 0.0,
     }
     assert SETTINGS["dense"].processor_kwargs(0.02, "fa3") == {"backend": "fa3", "policy": "auto"}
-    assert SETTINGS["sage-int8-smooth"].processor_kwargs(0.02, "auto")["quant"] == {"dtype_qk": "int8", "smooth_k": True}
+    assert SETTINGS["sage-int8-nosmooth"].processor_kwargs(0.02, "auto")["quant"] == {"dtype_qk": "int8", "smooth_k": False}
     assert SETTINGS["sage-int8"].processor_kwargs(0.02, "auto")["quant"] == {"dtype_qk": "int8"}  # the route's block
     assert SETTINGS["sage-int8-k16"].processor_kwargs(0.02, "auto")["quant"] == {"dtype_qk": "int8", "k_block_size": 16}
-    assert SETTINGS["sage-int8-k128-smooth"].processor_kwargs(0.02, "auto")["quant"] == {
-        "dtype_qk": "int8", "smooth_k": True, "k_block_size": 128}
     assert SETTINGS["skip-always"].processor_kwargs(0.02, "auto")["policy"] == "always"
 
 

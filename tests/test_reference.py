@@ -175,11 +175,24 @@ def test_smooth_k_keeps_softmax():
     q, k, v, cu, _ = _packed(lens, lens)
     k = k + 3.0  # a large shared offset: smoothing removes it before quantization
     dense = reference_attention(q, k, v, cu, cu, lens, lens, softmax_scale=0.125).out
-    plain = reference_attention(q, k, v, cu, cu, lens, lens, softmax_scale=0.125, quant=QuantConfig("int8")).out
-    smooth = reference_attention(
-        q, k, v, cu, cu, lens, lens, softmax_scale=0.125, quant=QuantConfig("int8", smooth_k=True)
-    ).out
+    plain = reference_attention(q, k, v, cu, cu, lens, lens, softmax_scale=0.125,
+                                quant=QuantConfig("int8", smooth_k=False)).out
+    smooth = reference_attention(q, k, v, cu, cu, lens, lens, softmax_scale=0.125, quant=QuantConfig("int8")).out
+    assert QuantConfig("int8").smooth_k and QuantConfig.coerce({"dtype_qk": "int8"}).smooth_k  # the default
     assert rel_l1(smooth, dense) < rel_l1(plain, dense)
+
+
+def test_smoothed_lse_is_the_unsmoothed_logits_one():
+    """Taking K's mean off shifts each row's logits alike: the output stays, and the log-sum-exp handed back
+    (what ring attention merges KV shards by) is the one of the logits before smoothing, within int8's error."""
+    lens = (300,)
+    q, k, v, cu, _ = _packed(lens, lens)
+    k = k + 3.0
+    dense = reference_attention(q, k, v, cu, cu, lens, lens, softmax_scale=0.125)
+    smooth = reference_attention(q, k, v, cu, cu, lens, lens, softmax_scale=0.125, quant=QuantConfig("int8"))
+    shift = 0.125 * 3.0 * q.float().sum(-1)  # what smoothing took off each row's logits
+    error = (smooth.lse - dense.lse).abs().max()
+    assert error < 0.1 and error < 0.02 * shift.abs().max()
 
 
 def test_long_sequence_runs_in_bounded_memory():
@@ -264,3 +277,14 @@ def test_v_mean_taken_off_keeps_fp16_outputs_finite_at_its_limit():
     assert out.dtype == torch.float16 and torch.isfinite(out).all()
     v[5, 0, 0] = float("nan")
     assert torch.isnan(reference_attention(q, k, v, cu, cu, lens, lens, **kw).out).any()
+
+
+def test_a_nonfinite_key_stays_in_its_sequence_with_smooth_k():
+    """smooth_k's mean spans the batch: an inf key must not reach the other sequence through it (dense attention
+    keeps it to the rows of its own sequence), so that channel is left unsmoothed."""
+    lens = (200, 300)
+    q, k, v, cu, _ = _packed(lens, lens)
+    k[250, 1, 3] = math.inf
+    for quant in (None, QuantConfig("int8")):
+        out = reference_attention(q, k, v, cu, cu, lens, lens, softmax_scale=0.125, quant=quant).out
+        assert torch.isfinite(out[:200]).all() and not torch.isfinite(out[200:]).all()

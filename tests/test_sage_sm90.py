@@ -38,10 +38,23 @@ def test_params_match_the_cuda_struct_field_for_field():
 
 def test_every_entry_point_the_host_names_is_defined():
     text = SOURCE.read_text()
-    kernels = set(re.findall(r"SAGE_SM90_KERNEL\(sage_sm90_d##D##_##DT##_(k\d+(?:_skip)?)", text))
-    instances = set(re.findall(r"SAGE_SM90_KERNELS\((\d+), (\w+),", text))
-    defined = {f"sage_sm90_d{d}_{dt}_{k}" for d, dt in instances for k in kernels}
-    assert set(sage_sm90.KERNEL_NAMES) == defined
+    body = re.search(r"#define SAGE_SM90_KERNELS\(D, DT\)(.*?)\n(?=SAGE_SM90_KERNELS\()", text, re.S).group(1)
+    entries = re.findall(r"SAGE_SM90_ENTRY\(D, DT, (\d+), ([01])\)", body)
+    instances = re.findall(r"^SAGE_SM90_KERNELS\((\d+), (\w+)\)", text, re.M)
+    defined = {f"sage_sm90_d{d}_{dt}_k{kb}" + ("_skip" if skip == "1" else "") for d, dt in instances for kb, skip in entries}
+    assert len(defined) == 32 and set(sage_sm90.KERNEL_NAMES) == defined
+
+
+def test_a_variant_selects_its_one_entry_point_by_defines():
+    variant = sage_sm90.Variant(64, torch.float16, 4, True)
+    assert variant.name == "sage_sm90_d64_fp16_k4_skip" == sage_sm90.kernel_name(64, torch.float16, 4, True)
+    assert variant.defines == ("SAGE_SM90_HEAD_DIM=64", "SAGE_SM90_OUT=fp16", "SAGE_SM90_K_BLOCK=4", "SAGE_SM90_SKIP=1")
+    assert len(set(sage_sm90.VARIANTS)) == 32
+
+
+def test_the_source_includes_no_header():
+    """NVRTC has no C or C++ standard headers (``#include <stdint.h>`` stopped it): the source needs none."""
+    assert not re.findall(r"^\s*#\s*include", SOURCE.read_text(), re.M)
 
 
 def test_key_order_is_the_mma_fragment_order():
@@ -100,9 +113,10 @@ def test_reasons_name_what_is_missing(monkeypatch):
     assert any("int8 SAGE only" in r for r in route.not_supported_reasons(_call(quant=None)))
     assert any("dtype_qk=fp8_e4m3" in r for r in route.not_supported_reasons(_call(quant="fp8_e4m3")))
     assert any("head dim 96" in r for r in route.not_supported_reasons(_call(dim=96)))
-    monkeypatch.setattr(cuda_jit, "find_nvcc", lambda: None)
-    assert any("needs nvcc" in r and "DIFFUSERS_TRTLLM_NVCC" in r for r in route.not_supported_reasons(_call()))
-    with pytest.raises(NoRouteError, match="sage-sm90: .*needs nvcc"):
+    monkeypatch.setattr(cuda_jit, "find_compiler", lambda: None)
+    assert any("needs NVRTC or nvcc" in r and "pip install nvidia-cuda-nvrtc" in r and "DIFFUSERS_TRTLLM_NVCC" in r
+               for r in route.not_supported_reasons(_call()))
+    with pytest.raises(NoRouteError, match="sage-sm90: .*needs NVRTC or nvcc"):
         select_route(_call(), "sage-sm90")
 
 
@@ -171,7 +185,6 @@ while [ "$#" -gt 0 ]; do if [ "$1" = "-o" ]; then echo cubin > "$2"; fi; shift; 
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setenv("DIFFUSERS_TRTLLM_NVCC", str(fake))
     monkeypatch.setenv("DIFFUSERS_TRTLLM_CACHE", str(tmp_path / "cache"))
-    cuda_jit._nvcc_version.cache_clear()
     first = cuda_jit.compile_cubin(SOURCE, "90a")
     again = cuda_jit.compile_cubin(SOURCE, "90a")
     other = cuda_jit.compile_cubin(SOURCE, "90a", ("SAGE_SM90_STAGES=2",))
@@ -186,9 +199,73 @@ def test_compile_error_says_which_file_and_why(tmp_path, monkeypatch):
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setenv("DIFFUSERS_TRTLLM_NVCC", str(fake))
     monkeypatch.setenv("DIFFUSERS_TRTLLM_CACHE", str(tmp_path / "cache"))
-    cuda_jit._nvcc_version.cache_clear()
     with pytest.raises(RuntimeError, match="nvcc failed to build sage_sm90.cu for sm_90a:\nerror: boom"):
         cuda_jit.compile_cubin(SOURCE, "90a")
+
+
+def _clear_compiler_caches():
+    for fn in (cuda_jit._find_nvcc, cuda_jit._find_nvrtc):
+        fn.cache_clear()
+
+
+def test_nvrtc_is_found_where_torchs_cuda_wheels_put_it(tmp_path, monkeypatch):
+    """``nvidia-cuda-nvrtc``'s layout on sys.path (CUDA 13: ``nvidia/cu13/lib``; CUDA 12: ``nvidia/cuda_nvrtc/lib``)
+    is found for torch's CUDA major version, ahead of the dynamic loader; $DIFFUSERS_TRTLLM_NVRTC wins."""
+    for major, sub in ((13, "cu13"), (12, "cuda_nvrtc")):
+        lib = tmp_path / f"site{major}" / "nvidia" / sub / "lib" / f"libnvrtc.so.{major}"
+        lib.parent.mkdir(parents=True)
+        lib.write_bytes(b"")
+        monkeypatch.setattr(cuda_jit, "_cuda_majors", lambda major=major: (major,))
+        monkeypatch.setattr(sys, "path", [str(tmp_path / "elsewhere"), str(tmp_path / f"site{major}")])
+        _clear_compiler_caches()
+        assert cuda_jit.find_nvrtc() == str(lib)
+    monkeypatch.setenv("DIFFUSERS_TRTLLM_NVRTC", str(lib))
+    _clear_compiler_caches()
+    assert cuda_jit.find_nvrtc() == str(lib)
+    monkeypatch.setenv("DIFFUSERS_TRTLLM_NVRTC", str(tmp_path / "missing.so"))
+    _clear_compiler_caches()
+    assert cuda_jit.find_nvrtc() is None
+    _clear_compiler_caches()
+
+
+def test_compiler_order_nvcc_when_named_else_nvrtc_else_nvcc(tmp_path, monkeypatch):
+    fake = tmp_path / "nvcc"
+    fake.write_text("#!/bin/sh\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    nvrtc = object()
+    monkeypatch.setattr(cuda_jit, "_nvrtc", lambda path: nvrtc)
+    monkeypatch.setattr(cuda_jit, "find_nvrtc", lambda: "libnvrtc.so.13")
+    monkeypatch.delenv("DIFFUSERS_TRTLLM_NVCC", raising=False)
+    assert cuda_jit.find_compiler() is nvrtc
+    monkeypatch.setenv("DIFFUSERS_TRTLLM_NVCC", str(fake))
+    assert cuda_jit.find_compiler() == cuda_jit.Nvcc(str(fake))
+    monkeypatch.setenv("DIFFUSERS_TRTLLM_NVCC", str(tmp_path / "no-nvcc"))
+    _clear_compiler_caches()
+    assert cuda_jit.find_compiler() is None
+    assert "DIFFUSERS_TRTLLM_NVCC=" in cuda_jit.compiler_missing() and "not an executable nvcc" in cuda_jit.compiler_missing()
+    monkeypatch.delenv("DIFFUSERS_TRTLLM_NVCC")
+    monkeypatch.setattr(cuda_jit, "find_nvrtc", lambda: None)
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path))
+    (tmp_path / "bin").mkdir()
+    fake.rename(tmp_path / "bin" / "nvcc")
+    _clear_compiler_caches()
+    assert cuda_jit.find_compiler() == cuda_jit.Nvcc(str(tmp_path / "bin" / "nvcc"))
+    _clear_compiler_caches()
+
+
+@pytest.mark.skipif(cuda_jit.find_nvrtc() is None, reason="needs NVRTC (pip install nvidia-cuda-nvrtc)")
+def test_one_variant_compiles_with_nvrtc_alone(tmp_path, monkeypatch):
+    """No toolkit, no GPU: NVRTC builds one entry point of the source (and only that one) into a cubin, cached."""
+    monkeypatch.setenv("DIFFUSERS_TRTLLM_CACHE", str(tmp_path))
+    monkeypatch.delenv("DIFFUSERS_TRTLLM_NVCC", raising=False)
+    compiler = cuda_jit.find_compiler()
+    assert compiler.name == "nvrtc" and compiler.version.startswith("NVRTC ")
+    variant = sage_sm90.Variant(128, torch.bfloat16, 128, True)
+    cubin = sage_sm90.sage_sm90_cubin.__wrapped__(variant, (), compiler)
+    data = cubin.read_bytes()
+    assert data[:4] == b"\x7fELF" and b"sage_sm90_d128_bf16_k128_skip" in data
+    assert b"sage_sm90_d128_bf16_k16" not in data and b"sage_sm90_d64_" not in data
+    assert sage_sm90.sage_sm90_cubin.__wrapped__(variant, (), compiler) == cubin
 
 
 def test_hazard_walk_ends_at_the_wait_that_retires_the_group():

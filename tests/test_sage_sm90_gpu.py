@@ -1,10 +1,13 @@
 """The ``sage-sm90`` CUDA kernel on an H100/H200: int8 SAGE with and without skip-softmax against the
 reference (same quantization, same 64 x 128 tiles), over the ragged batches of the ``triton`` route's GPU
-tests; head dims 64 and 128, GQA, fp16, extreme magnitudes and NaN."""
+tests; head dims 64 and 128, GQA, fp16, extreme magnitudes and NaN; the kernel built by NVRTC and by nvcc,
+a first call that builds its one variant and says so, and the default's error on keys with a channel mean."""
 
 from __future__ import annotations
 
 import functools
+import logging
+import os
 
 import pytest
 import torch
@@ -134,3 +137,83 @@ def test_auto_takes_it_for_int8_sage_on_long_keys_only():
     res = select_route(long_call).run(long_call)
     ref = _reference(long_call.q.float(), long_call.k.float(), long_call.v.float(), long_call.layout).out
     assert res.route == "sage-sm90" and rel_l1(res.out, ref) < 0.06 and not math.isnan(rel_l1(res.out, ref))
+
+
+def _variant_call(q, k, v, layout, quant):
+    from diffusers_trtllm.kernels import sage_sm90
+
+    return sage_sm90.sage_sm90_attention(q, k, v, layout, softmax_scale=q.shape[-1] ** -0.5, quant=quant).out
+
+
+def test_nvrtc_and_nvcc_builds_compute_the_same():
+    """The library builds with NVRTC (torch's CUDA wheels' library) unless DIFFUSERS_TRTLLM_NVCC names an nvcc:
+    both kernels match the reference, and each other to the bit (same source, same arithmetic)."""
+    from diffusers_trtllm.kernels import cuda_jit
+
+    q, k, v, layout = _inputs(128, kv_heads=4)
+    quant = QuantConfig("int8")
+    ref = _reference(q, k, v, layout, quant=quant.with_k_block(128, True), tile_q=64, tile_kv=128).out
+    nvrtc = cuda_jit.find_compiler()
+    assert nvrtc is not None and nvrtc.name == "nvrtc", "torch's CUDA wheels bring NVRTC: the library's compiler"
+    outs = {"nvrtc": _variant_call(q, k, v, layout, quant)}
+    nvcc = cuda_jit.find_nvcc()
+    if nvcc is not None:
+        os.environ["DIFFUSERS_TRTLLM_NVCC"] = nvcc
+        try:
+            assert cuda_jit.find_compiler().name == "nvcc"
+            outs["nvcc"] = _variant_call(q, k, v, layout, quant)
+        finally:
+            del os.environ["DIFFUSERS_TRTLLM_NVCC"]
+    for name, out in outs.items():
+        assert rel_l1(out, ref) < 1.5e-2, name
+    if "nvcc" in outs:
+        assert torch.equal(outs["nvcc"], outs["nvrtc"])
+
+
+def test_first_call_builds_only_its_variant_and_says_so(tmp_path, monkeypatch, caplog):
+    """A cold cache: the call builds the one entry point it needs (not all 32) and logs it at WARNING level,
+    naming the kernel and the cache folder; the next call builds nothing."""
+    from diffusers_trtllm.kernels import sage_sm90
+
+    monkeypatch.setenv("DIFFUSERS_TRTLLM_CACHE", str(tmp_path))
+    sage_sm90.sage_sm90_cubin.cache_clear()
+    q, k, v, layout = _inputs(128, kv_heads=4)
+    with caplog.at_level(logging.WARNING):
+        _variant_call(q, k, v, layout, QuantConfig("int8"))
+    built = list((tmp_path / "cubin").glob("*.cubin"))
+    assert len(built) == 1
+    notes = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "building" in r.getMessage()]
+    assert len(notes) == 1 and "sage_sm90_d128_bf16_k128" in notes[0] and str(tmp_path) in notes[0]
+    caplog.clear()
+    sage_sm90.sage_sm90_cubin.cache_clear()
+    _variant_call(q, k, v, layout, QuantConfig("int8"))
+    assert not [r for r in caplog.records if "building" in r.getMessage()]
+    sage_sm90.sage_sm90_cubin.cache_clear()
+
+
+def _keys_with_a_channel_mean(k_mean: float):
+    from diffusers_trtllm.bench.inputs import Shape, structured_qkv
+    from diffusers_trtllm.layout import PackedLayout
+
+    shape = Shape("k_mean", 1, 8192, 4, 128, (8, 32, 32))
+    q, k, v = (x[0].contiguous() for x in structured_qkv(shape, 0.5, device="cuda", k_mean=k_mean, v_mean=1.0))
+    return q, k, v, PackedLayout.dense(1, shape.tokens, shape.tokens, "cuda")
+
+
+@pytest.mark.parametrize("k_mean", [0.0, 4.0])
+def test_default_int8_is_as_accurate_as_sageattention2_on_keys_with_a_channel_mean(k_mean):
+    """Trained models' keys carry a per-channel mean; ``smooth_k`` (the default) takes it off before int8. On
+    such keys the default's error is far below the unsmoothed kernel's and no higher than SageAttention2's
+    (where it is installed); on zero-mean keys smoothing costs nothing."""
+    q, k, v, layout = _keys_with_a_channel_mean(k_mean)
+    dense = _reference(q.float(), k.float(), v.float(), layout).out
+    default = rel_l1(_variant_call(q, k, v, layout, QuantConfig("int8")), dense)
+    unsmoothed = rel_l1(_variant_call(q, k, v, layout, QuantConfig("int8", smooth_k=False)), dense)
+    assert default < 0.05
+    assert default <= unsmoothed * (1.02 if k_mean == 0 else 0.9), (default, unsmoothed)
+    try:
+        from sageattention import sageattn
+    except ImportError:
+        return
+    theirs = sageattn(q[None], k.clone()[None], v[None], tensor_layout="NHD", is_causal=False, sm_scale=128**-0.5)[0]
+    assert default <= rel_l1(theirs, dense) * 1.02, (default, rel_l1(theirs, dense))

@@ -59,8 +59,8 @@ class ProcessorSetting:
 
     name: str
     quant: str | None = None
-    #: SAGE's ``smooth_k`` (K's per-channel mean subtracted before quantizing, as SageAttention2 does).
-    smooth_k: bool = False
+    #: SAGE's ``smooth_k`` (K's per-channel mean subtracted before quantizing; None: the library's default, on).
+    smooth_k: bool | None = None
     #: SAGE's ``k_block_size`` (None: the library's default).
     k_block: int | None = None
     #: SAGE's ``k_per_thread`` (None: the library's default).
@@ -80,8 +80,8 @@ class ProcessorSetting:
         kwargs: dict[str, Any] = {"backend": backend, "policy": self.policy}
         if self.quant:
             quant: dict[str, Any] = {"dtype_qk": self.quant}
-            if self.smooth_k:
-                quant["smooth_k"] = True
+            if self.smooth_k is not None:
+                quant["smooth_k"] = self.smooth_k
             if self.k_block is not None:
                 quant["k_block_size"] = self.k_block
             if self.k_per_thread is not None:
@@ -102,11 +102,10 @@ SETTINGS: dict[str, ProcessorSetting] = {
         ProcessorSetting("stock-sage2", diffusers_backend="sage"),
         ProcessorSetting("sage-int8", quant="int8"),
         ProcessorSetting("sage-int8-always", quant="int8", policy="always"),
-        ProcessorSetting("sage-int8-smooth", quant="int8", smooth_k=True),
+        ProcessorSetting("sage-int8-nosmooth", quant="int8", smooth_k=False),
         ProcessorSetting("sage-int8-k16", quant="int8", k_block=16),
         ProcessorSetting("sage-int8-k128", quant="int8", k_block=128),
         ProcessorSetting("sage-int8-k128-blocks", quant="int8", k_block=128, k_per_thread=False),
-        ProcessorSetting("sage-int8-k128-smooth", quant="int8", k_block=128, smooth_k=True),
         ProcessorSetting("sage-fp8", quant="fp8_e4m3"),
         ProcessorSetting("skip", skip=True),
         ProcessorSetting("skip-always", skip=True, policy="always"),

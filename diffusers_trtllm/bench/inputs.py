@@ -15,6 +15,11 @@ On top sits i.i.d. Gaussian noise of unit logit variance, as with plain random
 inputs; ``locality=0`` is exactly those. Larger ``locality`` means sharper
 attention and more skippable tiles at a given threshold.
 
+Trained models' keys and values also carry a per-(head, channel) mean shared by
+every token, which random weights lack: ``k_mean`` / ``v_mean`` add one, that many
+times the tensor's own spread. Softmax ignores K's (it shifts a query's logits
+alike), but quantization does not (SageAttention's reason to smooth K).
+
 Real attention: ``save_qkv`` writes Q/K/V with metadata, ``capture_qkv`` records
 what an attention call sees inside a pipeline, and ``load_qkv`` reads them back.
 """
@@ -125,8 +130,11 @@ def structured_qkv(
     seed: int = 0,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.bfloat16,
+    k_mean: float = 0.0,
+    v_mean: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Seeded ``[batch, tokens, heads, head_dim]`` Q, K, V with local structure (module docstring)."""
+    """Seeded ``[batch, tokens, heads, head_dim]`` Q, K, V with local structure and, where ``k_mean`` /
+    ``v_mean`` ask, a per-channel mean of that many standard deviations of K / V (module docstring)."""
     if not 0.0 <= locality <= 1.0:
         raise ValueError(f"locality must be in [0, 1]; got {locality!r}.")
     device = torch.device(device)
@@ -157,6 +165,10 @@ def structured_qkv(
         sink_amp = math.sqrt(max(contrast - 2.0, 0.0)) * d**0.25
         q += sink_amp * sink_dir
         k[:, :SINK_TOKENS] += sink_amp * sink_dir
+    if k_mean:
+        k += k_mean * k.std() * randn(h, d)
+    if v_mean:
+        v += v_mean * v.std() * randn(h, d)
     return q.to(dtype), k.to(dtype), v.to(dtype)
 
 

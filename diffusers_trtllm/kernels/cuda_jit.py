@@ -1,13 +1,15 @@
 """CUDA C++ kernels compiled at first use, and the few CUDA driver calls that run them.
 
-A kernel source under ``kernels/csrc`` is compiled once per (source, flags, nvcc) with ``nvcc -cubin``
-and cached on disk (``$DIFFUSERS_TRTLLM_CACHE`` or ``~/.cache/diffusers_trtllm``), as FlashInfer's JIT
-does; no host compiler or Python extension is built. The cubin is loaded and launched through the
-CUDA driver (``libcuda``, present wherever a GPU driver is) with ``ctypes``, on the current torch
-stream, so launches are ordered with torch's own work and can be captured in CUDA graphs.
+A kernel source under ``kernels/csrc`` is compiled to a cubin once per (source, defines, compiler) and cached on
+disk (``$DIFFUSERS_TRTLLM_CACHE`` or ``~/.cache/diffusers_trtllm``), as FlashInfer's JIT does. The compiler is
+NVRTC, the runtime-compilation library that torch's CUDA wheels install (``nvidia-cuda-nvrtc``), so a plain
+``pip install`` needs no CUDA toolkit; ``nvcc`` is used where ``$DIFFUSERS_TRTLLM_NVCC`` names one, or where no
+NVRTC is found. No host compiler or Python extension is built. The cubin is loaded and launched through the
+CUDA driver (``libcuda``, present wherever a GPU driver is) with ``ctypes``, on the current torch stream, so
+launches are ordered with torch's own work and can be captured in CUDA graphs.
 
-Without ``nvcc`` (``$DIFFUSERS_TRTLLM_NVCC``, ``$CUDA_HOME/bin/nvcc``, ``PATH``, ``/usr/local/cuda``)
-:func:`compiler_missing` says so, and a route built on this module reports it as its reason.
+Where neither compiler is found, :func:`compiler_missing` says what to install, and a route built on this
+module reports it as its reason.
 """
 
 from __future__ import annotations
@@ -15,20 +17,23 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
-import logging
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
-__all__ = ["CudaKernel", "TensorMap", "compiler_missing", "find_nvcc", "load_kernels", "source_path"]
+from .._logging import logger
 
-logger = logging.getLogger(__name__)
+__all__ = ["CudaKernel", "Nvcc", "Nvrtc", "TensorMap", "cache_dir", "compile_cubin", "compiler_missing",
+           "find_compiler", "find_nvcc", "find_nvrtc", "load_kernels", "source_path"]
 
 CSRC = Path(__file__).with_name("csrc")
 
@@ -43,11 +48,117 @@ def source_path(name: str) -> Path:
     return CSRC / name
 
 
-def find_nvcc() -> str | None:
-    """The nvcc to compile with: ``$DIFFUSERS_TRTLLM_NVCC``, ``$CUDA_HOME/bin/nvcc``, ``PATH``, ``/usr/local/cuda``.
+def cache_dir() -> Path:
+    """Where built cubins live: ``$DIFFUSERS_TRTLLM_CACHE/cubin``, by default ``~/.cache/diffusers_trtllm/cubin``."""
+    root = os.environ.get("DIFFUSERS_TRTLLM_CACHE") or Path.home() / ".cache" / "diffusers_trtllm"
+    return Path(root) / "cubin"
 
-    Route selection asks this on every attention call, so the file-system search is remembered per value
-    of those variables."""
+
+# ---- the compilers ------------------------------------------------------------------------------------
+
+class Compiler(Protocol):
+    """What :func:`compile_cubin` needs of a compiler: a name and version for the cache key, and a build."""
+
+    name: str
+    version: str
+
+    def cubin(self, source: Path, arch: str, defines: tuple[str, ...]) -> bytes: ...
+
+
+class CompileError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Nvcc:
+    """The CUDA toolkit's compiler, run as ``nvcc -cubin``."""
+
+    path: str
+    name: str = "nvcc"
+
+    @functools.cached_property
+    def version(self) -> str:
+        lines = subprocess.run([self.path, "--version"], capture_output=True, text=True, check=True).stdout.splitlines()
+        release = next((x for x in lines if "release" in x), lines[-1] if lines else "unknown")  # "... release 13.0, V13.0.88"
+        return f"nvcc ({release.strip()}; {lines[-1].strip() if lines else ''})"
+
+    def cubin(self, source: Path, arch: str, defines: tuple[str, ...]) -> bytes:
+        flags = ["-cubin", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-O3", "-std=c++17", "-Xptxas=-v",
+                 *(f"-D{d}" for d in defines)]
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "kernel.cubin"
+            res = subprocess.run([self.path, *flags, "-o", str(out), str(source)], capture_output=True, text=True)
+            if res.returncode != 0:
+                raise CompileError(f"nvcc failed to build {source.name} for sm_{arch}:\n{res.stderr.strip()}")
+            logger.debug("%s", res.stderr)
+            return out.read_bytes()
+
+
+class Nvrtc:
+    """NVRTC through its C API (``nvrtcCreateProgram`` ... ``nvrtcGetCUBIN``): the source in, a cubin out."""
+
+    name = "nvrtc"
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        # NVRTC opens its builtins library by name at each compile; one beside a libnvrtc found by path (a
+        # wheel's) is not on the loader's path, so it is loaded first, and the name then resolves to it.
+        for builtins in sorted(Path(path).parent.glob("libnvrtc-builtins.so.*")) if os.sep in path else ():
+            ctypes.CDLL(str(builtins), mode=ctypes.RTLD_GLOBAL)
+        self._lib = ctypes.CDLL(path)
+        vp, c_int, c_char_p = ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p
+        sigs = {
+            "nvrtcVersion": [ctypes.POINTER(c_int), ctypes.POINTER(c_int)],
+            "nvrtcCreateProgram": [ctypes.POINTER(vp), c_char_p, c_char_p, c_int, vp, vp],
+            "nvrtcCompileProgram": [vp, c_int, ctypes.POINTER(c_char_p)],
+            "nvrtcGetProgramLogSize": [vp, ctypes.POINTER(ctypes.c_size_t)],
+            "nvrtcGetProgramLog": [vp, c_char_p],
+            "nvrtcGetCUBINSize": [vp, ctypes.POINTER(ctypes.c_size_t)],
+            "nvrtcGetCUBIN": [vp, c_char_p],
+            "nvrtcDestroyProgram": [ctypes.POINTER(vp)],
+            "nvrtcGetErrorString": [c_int],
+        }
+        for fn_name, args in sigs.items():
+            fn = getattr(self._lib, fn_name)
+            fn.argtypes, fn.restype = args, c_int
+        self._lib.nvrtcGetErrorString.restype = c_char_p
+        major, minor = ctypes.c_int(), ctypes.c_int()
+        self._check(self._lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)), "nvrtcVersion")
+        self.version = f"NVRTC {major.value}.{minor.value} ({Path(path).name})"
+
+    def _check(self, result: int, what: str) -> None:
+        if result != 0:
+            raise CompileError(f"{what}: {self._lib.nvrtcGetErrorString(result).decode()}")
+
+    def cubin(self, source: Path, arch: str, defines: tuple[str, ...]) -> bytes:
+        lib = self._lib
+        options = [f"--gpu-architecture=sm_{arch}", "--std=c++17", "--ptxas-options=-v", "--device-as-default-execution-space", *(f"-D{d}" for d in defines)]
+        prog = ctypes.c_void_p()
+        self._check(lib.nvrtcCreateProgram(ctypes.byref(prog), source.read_bytes(), source.name.encode(), 0, None, None),
+                    "nvrtcCreateProgram")
+        try:
+            argv = (ctypes.c_char_p * len(options))(*[o.encode() for o in options])
+            result = lib.nvrtcCompileProgram(prog, len(options), argv)
+            size = ctypes.c_size_t()
+            self._check(lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size)), "nvrtcGetProgramLogSize")
+            log = ctypes.create_string_buffer(size.value)
+            self._check(lib.nvrtcGetProgramLog(prog, log), "nvrtcGetProgramLog")
+            if result != 0:
+                raise CompileError(f"NVRTC failed to build {source.name} for sm_{arch}:\n"
+                                   f"{log.value.decode(errors='replace').strip()}")
+            logger.debug("%s", log.value.decode(errors="replace"))
+            self._check(lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "nvrtcGetCUBINSize")
+            cubin = ctypes.create_string_buffer(size.value)
+            self._check(lib.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
+            return cubin.raw
+        finally:
+            lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+def find_nvcc() -> str | None:
+    """nvcc, where one is installed: ``$DIFFUSERS_TRTLLM_NVCC``, ``$CUDA_HOME/bin/nvcc``, ``PATH``,
+    ``/usr/local/cuda``. Route selection asks this on every attention call, so the search is remembered
+    per value of those variables."""
     return _find_nvcc(*(os.environ.get(v) for v in ("DIFFUSERS_TRTLLM_NVCC", "CUDA_HOME", "CUDA_PATH", "PATH")))
 
 
@@ -58,44 +169,110 @@ def _find_nvcc(explicit: str | None, cuda_home: str | None, cuda_path: str | Non
     return next((c for c in candidates if c and os.access(c, os.X_OK)), None)
 
 
-def compiler_missing() -> str | None:
-    """Why CUDA C++ kernels cannot be built here, or None."""
-    if find_nvcc() is None:
-        return ("needs nvcc (the CUDA toolkit's compiler) to build its kernel at first use: install the CUDA "
-                "toolkit, or point DIFFUSERS_TRTLLM_NVCC or CUDA_HOME at one")
+def _cuda_majors() -> tuple[int, ...]:
+    """The CUDA major versions whose NVRTC fits this torch: its own first (CPU builds: 13, then 12)."""
+    own = torch.version.cuda
+    return (int(own.split(".")[0]),) if own else (13, 12)
+
+
+def find_nvrtc() -> str | None:
+    """The NVRTC library to compile with: ``$DIFFUSERS_TRTLLM_NVRTC``, else the copy an ``nvidia-cuda-nvrtc``
+    wheel (a dependency of torch's CUDA wheels) put under ``site-packages/nvidia`` (``cu13/lib`` for CUDA 13,
+    ``cuda_nvrtc/lib`` for CUDA 12), else ``$CUDA_HOME``'s, else ``libnvrtc.so.<major>`` as torch itself loads
+    it (the dynamic loader); the CUDA major version is torch's own."""
+    return _find_nvrtc(os.environ.get("DIFFUSERS_TRTLLM_NVRTC"), os.environ.get("CUDA_HOME"), tuple(sys.path))
+
+
+@functools.lru_cache(maxsize=16)
+def _find_nvrtc(explicit: str | None, cuda_home: str | None, search_path: tuple[str, ...]) -> str | None:
+    if explicit:
+        return explicit if Path(explicit).is_file() else None
+    for major in _cuda_majors():
+        soname = f"libnvrtc.so.{major}"
+        wheel_dirs = [Path(p) / "nvidia" / sub / "lib" for p in search_path if p for sub in (f"cu{major}", "cuda_nvrtc")]
+        home_dirs = [Path(cuda_home) / lib for lib in ("lib64", "lib")] if cuda_home else []
+        found = next((d / soname for d in wheel_dirs + home_dirs if (d / soname).is_file()), None)
+        if found:
+            return str(found)
+        try:
+            ctypes.CDLL(soname)
+        except OSError:
+            continue
+        return _loaded_path(soname) or soname
     return None
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("DIFFUSERS_TRTLLM_CACHE") or Path.home() / ".cache" / "diffusers_trtllm"
-    return Path(root) / "cubin"
+def _loaded_path(soname: str) -> str | None:
+    """Where the dynamic loader found an already loaded library (``/proc/self/maps``), for its neighbours."""
+    try:
+        maps = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return None
+    return next((line.split()[-1] for line in maps if line.endswith("/" + soname)), None)
+
+
+def find_compiler() -> Compiler | None:
+    """The nvcc ``$DIFFUSERS_TRTLLM_NVCC`` names (None if it names no executable: never another in its place);
+    else NVRTC; else an installed nvcc; else None."""
+    explicit = os.environ.get("DIFFUSERS_TRTLLM_NVCC")
+    if explicit:
+        named = shutil.which(explicit)
+        return _nvcc(named) if named else None
+    nvrtc = find_nvrtc()
+    if nvrtc:
+        return _nvrtc(nvrtc)
+    nvcc = find_nvcc()
+    return _nvcc(nvcc) if nvcc else None
 
 
 @functools.lru_cache(maxsize=None)
-def _nvcc_version(nvcc: str) -> str:
-    return subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
+def _nvcc(path: str) -> Nvcc:
+    return Nvcc(path)
 
 
-def compile_cubin(source: Path, arch: str, defines: tuple[str, ...] = ()) -> Path:
-    """``nvcc -cubin`` of ``source`` for ``arch`` (e.g. ``"90a"``), cached by content, flags and compiler."""
-    nvcc = find_nvcc()
-    if nvcc is None:
+@functools.lru_cache(maxsize=None)
+def _nvrtc(path: str) -> Nvrtc:
+    return Nvrtc(path)
+
+
+def compiler_missing() -> str | None:
+    """Why CUDA C++ kernels cannot be built here, or None."""
+    explicit = os.environ.get("DIFFUSERS_TRTLLM_NVCC")
+    if explicit and shutil.which(explicit) is None:
+        return f"DIFFUSERS_TRTLLM_NVCC={explicit} is not an executable nvcc: point it at one, or unset it to use NVRTC"
+    if find_compiler() is None:
+        major = _cuda_majors()[0]
+        return (f"needs NVRTC or nvcc to build its kernel at first use, and found neither: install NVRTC "
+                f"(pip install nvidia-cuda-nvrtc{'' if major >= 13 else '-cu12'}; torch's CUDA wheels bring it), "
+                "or point DIFFUSERS_TRTLLM_NVRTC at a libnvrtc.so, or DIFFUSERS_TRTLLM_NVCC / CUDA_HOME at a CUDA toolkit")
+    return None
+
+
+def compile_cubin(source: Path, arch: str, defines: tuple[str, ...] = (), what: str | None = None,
+                  compiler: Compiler | None = None, announce: bool = True) -> Path:
+    """``source`` built for ``arch`` (e.g. ``"90a"``) with ``-D`` ``defines`` by ``compiler`` (None:
+    :func:`find_compiler`'s), cached by source, defines and compiler. A build blocks its caller for seconds, so
+    each one is announced at WARNING level (``what`` names what is built) unless ``announce`` is False (a build
+    the user asked for); a cached cubin returns silently."""
+    compiler = compiler or find_compiler()
+    if compiler is None:
         raise RuntimeError(compiler_missing())
-    flags = ["-cubin", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-O3", "-std=c++17", "-Xptxas=-v",
-             *(f"-D{d}" for d in defines)]
-    key = hashlib.sha256("\0".join([source.read_text(), *flags, _nvcc_version(nvcc)]).encode()).hexdigest()[:20]
-    target = _cache_dir() / f"{source.stem}-sm{arch}-{key}.cubin"
+    key = hashlib.sha256("\0".join([source.read_text(), arch, *defines, compiler.name, compiler.version]).encode())
+    target = cache_dir() / f"{source.stem}-sm{arch}-{key.hexdigest()[:20]}.cubin"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    logger.info("building %s for sm_%s with %s (once; cached in %s)", source.name, arch, nvcc, target.parent)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        out = Path(tmp) / target.name
-        res = subprocess.run([nvcc, *flags, "-o", str(out), str(source)], capture_output=True, text=True)
-        if res.returncode != 0:
-            raise RuntimeError(f"nvcc failed to build {source.name} for sm_{arch}:\n{res.stderr.strip()}")
-        logger.debug("%s", res.stderr)
-        os.replace(out, target)  # atomic: concurrent builders leave one complete file
+    what = what or source.name
+    if announce:
+        logger.warning("diffusers-trtllm: building %s for sm_%s with %s (a few seconds, once; cached in %s; "
+                       "`python -m diffusers_trtllm build-kernels` builds every kernel ahead of time)",
+                       what, arch, compiler.version, target.parent)
+    start = time.perf_counter()
+    cubin = compiler.cubin(source, arch, defines)
+    with tempfile.NamedTemporaryFile(dir=target.parent, prefix=target.stem, suffix=".tmp", delete=False) as tmp:
+        tmp.write(cubin)
+    os.replace(tmp.name, target)  # atomic: concurrent builders leave one complete file
+    logger.info("built %s in %.1f s: %s", what, time.perf_counter() - start, target)
     return target
 
 

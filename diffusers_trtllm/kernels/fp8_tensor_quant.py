@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .reference import AMAX_FLOOR, FP8_MAX, channel_mean
+from .reference import AMAX_FLOOR, FP8_MAX, channel_mean, key_mean, lse_before_smoothing, per_q_head
 
 __all__ = ["Fp8TensorQuant", "quantize_fp8_per_tensor", "restore_output", "restore_lse"]
 
@@ -52,7 +52,7 @@ def _to_fp8(x: torch.Tensor) -> torch.Tensor:
 
 def quantize_fp8_per_tensor(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Fp8TensorQuant:
     """Quantize packed ``[tokens, heads, dim]`` Q, K, V; one fused Triton pass on CUDA, torch elsewhere."""
-    k_mean = channel_mean(k)
+    k_mean = key_mean(k)
     v_mean = channel_mean(v)
     v_scale = _centered_amax(v, v_mean).clamp_min(AMAX_FLOOR) / FP8_MAX  # [kv_heads, dim]
     q_lo, q_hi = torch.aminmax(q)
@@ -70,22 +70,15 @@ def quantize_fp8_per_tensor(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -
     return Fp8TensorQuant(q8, kv8, q_scale * k_scale, v_scale, v_mean, k_mean)
 
 
-def _per_q_head(x: torch.Tensor, heads: int) -> torch.Tensor:
-    """A ``[kv_heads, dim]`` statistic repeated for the query heads each KV head serves."""
-    return x.repeat_interleave(heads // x.shape[0], dim=0)
-
-
 def restore_output(out: torch.Tensor, quant: Fp8TensorQuant) -> torch.Tensor:
     """Undo V's smoothing and per-channel scale on the kernel's ``[tokens, heads, dim]`` output."""
-    scale, mean = (_per_q_head(x, out.shape[1]) for x in (quant.v_scale, quant.v_mean))
+    scale, mean = (per_q_head(x, out.shape[1]) for x in (quant.v_scale, quant.v_mean))
     return torch.addcmul(mean.to(out.dtype), out, scale.to(out.dtype))
 
 
 def restore_lse(lse: torch.Tensor, q: torch.Tensor, quant: Fp8TensorQuant, softmax_scale: float) -> torch.Tensor:
-    """Undo K's smoothing on the kernel's ``[tokens, heads]`` log-sum-exp: every logit of a row was
-    lowered by ``softmax_scale * q . k_mean`` (``q``: the unquantized ``[tokens, heads, dim]`` queries)."""
-    k_mean = _per_q_head(quant.k_mean, q.shape[1])
-    return lse + softmax_scale * torch.einsum("thd,hd->th", q.float(), k_mean)
+    """Undo K's smoothing on the kernel's ``[tokens, heads]`` log-sum-exp (``q``: the unquantized queries)."""
+    return lse_before_smoothing(lse, q, quant.k_mean, softmax_scale)
 
 
 try:  # the fused CUDA quantizer; without Triton the torch path above runs everywhere

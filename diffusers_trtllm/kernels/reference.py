@@ -36,7 +36,8 @@ class SageTensors:
     ``q_scale``: ``[heads, n_q_slots]``, ``k_scale``: ``[kv_heads, n_k_slots]``
     (slots as ``block_ids`` numbers them: blocks never straddle two sequences);
     ``v_scale``: ``[kv_heads, dim]``. ``k`` is smoothed when ``smooth_k`` was set; with ``v_mean``
-    (``[kv_heads, dim]``, ``smooth_v``) ``v`` holds V less that mean, which the output gets back.
+    (``[kv_heads, dim]``, ``smooth_v``) ``v`` holds V less that mean, which the output gets back; ``k_mean``
+    (``[kv_heads, dim]``) is what ``smooth_k`` took off K, which the log-sum-exp gets back.
     """
 
     q: torch.Tensor
@@ -48,6 +49,7 @@ class SageTensors:
     q_block_id: torch.Tensor
     k_block_id: torch.Tensor
     v_mean: torch.Tensor | None = None
+    k_mean: torch.Tensor | None = None
 
     def dequantize(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Back to float32 ``[tokens, heads, dim]`` (V without its mean when ``smooth_v``: see ``v_mean``)."""
@@ -57,10 +59,29 @@ class SageTensors:
         return q, k, v
 
 
+def per_q_head(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """A ``[kv_heads, dim]`` statistic repeated for the query heads each KV head serves."""
+    return x.repeat_interleave(heads // x.shape[0], dim=0)
+
+
+def lse_before_smoothing(lse: torch.Tensor, q: torch.Tensor, k_mean: torch.Tensor, softmax_scale: float) -> torch.Tensor:
+    """The ``[tokens, heads]`` log-sum-exp of the logits before ``smooth_k``: taking K's mean off lowered every
+    logit of a row by ``softmax_scale * q . k_mean``. Softmax does not see it, but ring attention merges KV
+    shards (each with its own mean) by the log-sum-exp, so every route hands back the unsmoothed one."""
+    return lse + softmax_scale * torch.einsum("thd,hd->th", q.float(), per_q_head(k_mean, q.shape[1]))
+
+
 def channel_mean(x: torch.Tensor) -> torch.Tensor:
-    """``[heads, dim]`` float32 mean over every packed token: the vector ``smooth_k`` / ``smooth_v`` take off
+    """``[heads, dim]`` float32 mean over every packed token: the vector ``smooth_v`` takes off
     (the kernels' quantizer computes it with this same call, so the two agree bit for bit)."""
     return x.mean(dim=0, dtype=torch.float32)
+
+
+def key_mean(k: torch.Tensor) -> torch.Tensor:
+    """What ``smooth_k`` takes off K: :func:`channel_mean`, with 0 in a channel whose mean is not finite. The mean
+    spans every sequence of the batch; an inf or NaN key would otherwise spread through it to every key of
+    that channel, the other sequences' too, where dense attention keeps it to the rows that attend to it."""
+    return torch.nan_to_num(channel_mean(k), nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def scale_slots(lens: tuple[int, ...], block: int, per_thread: bool = False) -> int:
@@ -120,7 +141,8 @@ def sage_quantize(
     """
     quant = quant.with_k_block(DEFAULT_K_BLOCK)
     v_mean = channel_mean(v) if smooth_v else None
-    k = k.float() - channel_mean(k) if quant.smooth_k else k.float()
+    k_mean = key_mean(k) if quant.smooth_k else None
+    k = k.float() if k_mean is None else k.float() - k_mean
     q_ids, nq = block_ids(cu_seqlens_q, q_lens, quant.q_block_size)
     k_ids, nk = block_ids(cu_seqlens_kv, kv_lens, quant.k_block_size, quant.k_per_thread)
     q_q, q_scale = _quantize_blocks(q, q_ids, nq, quant.qk_max, quant.qk_dtype)
@@ -131,7 +153,7 @@ def sage_quantize(
     # its reciprocal, which lands one ulp off on about half the channels.
     v_scale = v_amax / torch.full_like(v_amax, FP8_MAX)
     v_q = (v / v_scale[None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return SageTensors(q_q, k_q, v_q, q_scale, k_scale, v_scale, q_ids, k_ids, v_mean)
+    return SageTensors(q_q, k_q, v_q, q_scale, k_scale, v_scale, q_ids, k_ids, v_mean, k_mean)
 
 
 @dataclass
@@ -210,6 +232,9 @@ def reference_attention(
             lse[q0 : q0 + lq] = row_lse.transpose(0, 1)
             skipped, total = skipped + s, total + t
         q0, kv0 = q0 + lq, kv0 + lkv
+    if sage is not None and sage.k_mean is not None:
+        k_mean = per_q_head(sage.k_mean, group * sage.k_mean.shape[0])
+        lse = lse_before_smoothing(lse, q, k_mean if heads is None else k_mean[heads], softmax_scale)
     if smoothed_v and out_dtype == torch.float16:  # as the kernels store it: fp8's rounding of V less its
         out = out.clamp(-FP16_MAX, FP16_MAX)  # mean can take an average at fp16's limit past it (NaN stays NaN)
     return ReferenceResult(out.to(out_dtype), skipped, total, lse)

@@ -14,6 +14,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -28,8 +32,8 @@ from .triton_attn import LOG2E, TritonAttentionOutput, check_heads, tile_output,
 if TYPE_CHECKING:  # triton_quant imports Triton, which this module leaves to first use
     from .triton_quant import TritonSage
 
-__all__ = ["SageSm90Route", "sage_sm90_attention", "sage_sm90_quantize", "sage_sm90_cubin", "sage_sm90_missing",
-           "kernel_name", "BLOCK_M", "BLOCK_N", "K_BLOCK", "K_PER_THREAD"]
+__all__ = ["SageSm90Route", "Variant", "VARIANTS", "build_kernels", "sage_sm90_attention", "sage_sm90_quantize", "sage_sm90_cubin",
+           "sage_sm90_missing", "kernel_name", "BLOCK_M", "BLOCK_N", "K_BLOCK", "K_PER_THREAD"]
 
 #: The skip rule's tiles: 64 query rows (one consumer warpgroup) x 128 keys.
 BLOCK_M, BLOCK_N = 64, 128
@@ -59,28 +63,68 @@ class _Params(ctypes.Structure):
                 ("k_per_thread", ctypes.c_int)]
 
 
+@dataclass(frozen=True)
+class Variant:
+    """One entry point of ``csrc/sage_sm90.cu``, built on its own (a cubin per variant, seconds each)."""
+
+    head_dim: int
+    out_dtype: torch.dtype
+    k_block_size: int
+    skip: bool
+
+    @property
+    def name(self) -> str:
+        return f"sage_sm90_d{self.head_dim}_{_OUT_NAMES[self.out_dtype]}_k{self.k_block_size}" + ("_skip" if self.skip else "")
+
+    @property
+    def defines(self) -> tuple[str, ...]:
+        """The source's selection of this entry point alone."""
+        return (f"SAGE_SM90_HEAD_DIM={self.head_dim}", f"SAGE_SM90_OUT={_OUT_NAMES[self.out_dtype]}",
+                f"SAGE_SM90_K_BLOCK={self.k_block_size}", f"SAGE_SM90_SKIP={int(self.skip)}")
+
+
 def kernel_name(head_dim: int, dtype: torch.dtype, k_block_size: int, skip: bool) -> str:
     """The entry point of ``csrc/sage_sm90.cu`` for one head dim, output dtype, K block size and skip."""
-    return f"sage_sm90_d{head_dim}_{_OUT_NAMES[dtype]}_k{k_block_size}" + ("_skip" if skip else "")
+    return Variant(head_dim, dtype, k_block_size, skip).name
 
 
-KERNEL_NAMES = tuple(kernel_name(d, t, kb, s) for d in (64, 128) for t in _OUT_NAMES for kb in K_BLOCK_SIZES
-                     for s in (False, True))
+#: Every entry point the source defines, as ``python -m diffusers_trtllm build-kernels`` builds them.
+VARIANTS = tuple(Variant(d, t, kb, s) for d in (64, 128) for t in _OUT_NAMES for kb in K_BLOCK_SIZES for s in (False, True))
+KERNEL_NAMES = tuple(v.name for v in VARIANTS)
 
 
 def sage_sm90_missing() -> str | None:
-    """Why the kernel cannot be built here (no nvcc, no triton for its quantizer), or None."""
+    """Why the kernel cannot be built here (no NVRTC or nvcc, no triton for its quantizer), or None."""
     return triton_missing() or cuda_jit.compiler_missing()
 
 
 @functools.lru_cache(maxsize=None)
-def sage_sm90_cubin(defines: tuple[str, ...] = ()) -> Path:
-    """The kernel's cubin for sm_90a with these ``-D`` defines, compiled at first use and cached on disk."""
-    return cuda_jit.compile_cubin(cuda_jit.source_path(_SOURCE), "90a", defines)
+def sage_sm90_cubin(variant: Variant, defines: tuple[str, ...] = (), compiler: cuda_jit.Compiler | None = None,
+                    announce: bool = True) -> Path:
+    """``variant``'s cubin for sm_90a with these other ``-D`` knobs, by ``compiler`` (None: the one found),
+    compiled at first use (``announce``: saying so at WARNING level) and cached on disk."""
+    return cuda_jit.compile_cubin(cuda_jit.source_path(_SOURCE), "90a", (*variant.defines, *defines),
+                                  what=f"the sage-sm90 kernel {variant.name}", compiler=compiler, announce=announce)
 
 
-def _kernels(device: torch.device, defines: tuple[str, ...] = ()) -> dict[str, cuda_jit.CudaKernel]:
-    return cuda_jit.load_kernels(sage_sm90_cubin(defines), KERNEL_NAMES, device)
+def build_kernels(variants: Iterable[Variant] = VARIANTS, builds: Iterable[tuple[str, ...]] = ((),),
+                  jobs: int | None = None) -> list[Path]:
+    """Every ``variant`` of every build (``-D`` knobs), compiled ``jobs`` at a time, with a progress bar:
+    ``python -m diffusers_trtllm build-kernels``, or a benchmark's builds ahead of a GPU session. Needs no GPU."""
+    from tqdm.auto import tqdm
+
+    compiler = cuda_jit.find_compiler()
+    if compiler is None:
+        raise RuntimeError(f"sage-sm90 {cuda_jit.compiler_missing()}")
+    work = [(v, b) for b in builds for v in variants]
+    with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
+        done = pool.map(lambda vb: sage_sm90_cubin(vb[0], vb[1], compiler, announce=False), work)
+        return list(tqdm(done, total=len(work), desc=f"sage-sm90 kernels ({compiler.version})", unit="kernel"))
+
+
+def _kernel(device: torch.device, variant: Variant, defines: tuple[str, ...] = ()) -> cuda_jit.CudaKernel:
+    cubin = sage_sm90_cubin(variant, defines, cuda_jit.find_compiler())
+    return cuda_jit.load_kernels(cubin, (variant.name,), device)[variant.name]
 
 
 def _check_call(q: torch.Tensor, k: torch.Tensor, quant: QuantConfig | None) -> None:
@@ -141,7 +185,7 @@ def sage_sm90_attention(
         out.stride(0), out.stride(1), heads, heads // kv_heads,
         quant.q_block_size.bit_length() - 1, quant.k_block_size.bit_length() - 1, int(count), int(quant.k_per_thread),
     )
-    kernel = _kernels(q.device, tuple(defines))[kernel_name(dim, q.dtype, quant.k_block_size, skip_factor is not None)]
+    kernel = _kernel(q.device, Variant(dim, q.dtype, quant.k_block_size, skip_factor is not None), tuple(defines))
     grid = (-(-layout.max_seqlen_q // _CTA_ROWS), layout.num_seqs * heads, 1)
     kernel.launch(grid, _THREADS, [*maps, params], torch.cuda.current_stream(q.device))
     return tile_output(out, stats, layout, heads, BLOCK_M, BLOCK_N, collect_stats, skip_factor)

@@ -35,6 +35,7 @@ import torch
 from ..config import DEFAULT_K_BLOCK, QuantConfig
 from ..layout import PackedLayout
 from ..routing.registry import AttentionCall, AttentionResult, Capabilities, Route, device_sm, register_route
+from .reference import lse_before_smoothing
 
 __all__ = ["TritonRoute", "TritonAttentionOutput", "triton_attention", "triton_missing", "KernelConfig"]
 
@@ -280,12 +281,13 @@ def _rows_desc(x: torch.Tensor, block: list[int]):
 class KernelOperands:
     """What the triton and gluon kernels read besides the layout: TMA descriptors of Q, K and V (with
     SAGE: the quantized Q and K and fp8 ``V^T``), SAGE's scales, and their block counts and sizes
-    (placeholders, never read, without SAGE)."""
+    (placeholders, never read, without SAGE), and K's mean where ``smooth_k`` took it off."""
 
     descs: tuple
     scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # Q's, K's, V's scales and V's mean
     n_blocks: tuple[int, int]
     block_sizes: tuple[int, int]
+    k_mean: torch.Tensor | None = None
 
 
 def kernel_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PackedLayout,
@@ -305,6 +307,7 @@ def kernel_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: P
             (st.q_scale, st.k_scale, st.v_scale, st.v_mean),
             (st.q_scale.shape[1], st.k_scale.shape[1]),
             (quant.q_block_size, quant.k_block_size),
+            st.k_mean,
         )
     return KernelOperands((describe(q, [block_m, dim]), describe(k, [block_n, dim]), describe(v, [block_n, dim])),
                           (placeholder,) * 4, (0, 0), (1, 1))
@@ -354,6 +357,8 @@ def triton_attention(
         NATIVE=triton_quant.fp8_native(q.device), COMPILED=not triton_quant.interpreting(), WARP_SPECIALIZE=cfg.warp_specialize,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    if return_lse and ops.k_mean is not None:
+        lse = lse_before_smoothing(lse, q, ops.k_mean, softmax_scale)
     return tile_output(out, stats, layout, heads, bm, bn, collect_stats, skip_factor, lse if return_lse else None)
 
 

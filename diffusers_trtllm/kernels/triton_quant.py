@@ -41,7 +41,7 @@ import triton.language as tl
 
 from ..config import DEFAULT_K_BLOCK, QuantConfig
 from ..layout import PackedLayout
-from .reference import AMAX_FLOOR, FP8_MAX, channel_mean, scale_slots
+from .reference import AMAX_FLOOR, FP8_MAX, channel_mean, key_mean, scale_slots
 
 __all__ = ["TritonSage", "sage_quantize_triton", "mma_key_column", "fp8_native", "interpreting", "round_fp8_grid", "vt_start", "max_nan"]
 
@@ -94,6 +94,8 @@ class TritonSage:
     v_mean: torch.Tensor
     #: ``vt``'s keys are in the ``sage-sm90`` kernel's order within each group of 16 columns.
     mma_key_order: bool = False
+    #: ``[kv_heads, dim]`` float32: K's mean, taken off before quantizing (``smooth_k``; None without it).
+    k_mean: torch.Tensor | None = None
 
     def v(self, layout: PackedLayout) -> torch.Tensor:
         """V back in ``[tokens, kv_heads, dim]`` order (for tests and inspection)."""
@@ -302,7 +304,7 @@ def sage_quantize_triton(
     n_q_blocks = scale_slots(layout.q_lens, quant.q_block_size)
     n_k_blocks = scale_slots(layout.kv_lens, quant.k_block_size, quant.k_per_thread)
     v_scale = torch.empty(kv_heads, dim, dtype=torch.float32, device=q.device)  # written by the kernel
-    k_mean = channel_mean(k) if quant.smooth_k else v_scale  # (unused without smooth_k)
+    k_mean = key_mean(k) if quant.smooth_k else None
     v_mean = channel_mean(v)  # smooth_v, always (docs/design.md, "V's mean")
     v_min, v_max = torch.aminmax(v, dim=0)  # with v_mean, the channels' amax less their mean: V's scales
     padded = vt_start.fn(layout.num_seqs, tokens_kv)
@@ -315,6 +317,7 @@ def sage_quantize_triton(
         v_scale=v_scale,
         v_mean=v_mean,
         mma_key_order=mma_key_order,
+        k_mean=k_mean,
     )
     # Q tiles of QUANT_BLOCK_T tokens, K tiles of at least a K block (a tile starts whole blocks:
     # _quantize_tile), V tiles of QUANT_BLOCK_T columns over a sequence's keys and the gap after them.
@@ -325,7 +328,7 @@ def sage_quantize_triton(
     grid = ((n_q_tiles + n_k_tiles + n_v_tiles) * layout.num_seqs * heads,)
     _sage_quant_kernel[grid](
         q, k, v, out.q, out.k, out.vt,
-        out.q_scale, out.k_scale, v_scale, k_mean, v_mean, v_min, v_max,
+        out.q_scale, out.k_scale, v_scale, v_scale if k_mean is None else k_mean, v_mean, v_min, v_max,  # (v_scale: unread)
         layout.cu_seqlens_q, layout.cu_seqlens_kv,
         n_q_blocks, n_k_blocks, n_q_tiles, n_k_tiles, n_v_tiles, padded, layout.num_seqs,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),

@@ -221,6 +221,7 @@ class LayerState:
             backend=settings.backend, fallback=settings.fallback, role=self.role,
             collect_stats=self.processor.collect_stats, policy=settings.policy, honour=settings.honour,
             return_lse=kv_shards > 0, kv_shards=max(kv_shards, 1),
+            stock=None if plan.padded else lambda: intercept.stock_attention(self, *stock),
         )
         if plan.padded:
             out = self._stock_rows(out, plan, query, key, value, attn_mask, scale, via_sdpa)

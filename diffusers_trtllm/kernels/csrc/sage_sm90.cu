@@ -34,12 +34,6 @@
 // SAGE_SM90_HALF_POLY (the FMA-pipe exponentials two at a time in half precision, exp2_e4m3x2; 0: one at a
 // time in fp32). The defaults are the fastest measured (benchmarks/results/sage_sm90_sweep_h200.md).
 
-#include <stdint.h>
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
-#include <type_traits>
-
 #ifndef SAGE_SM90_SOFT_EXP  // of each row's 16 score chunks, how many take exp2_poly (fast path)
 #define SAGE_SM90_SOFT_EXP 4
 #endif
@@ -58,12 +52,26 @@
 
 namespace sage_sm90 {
 
+// Fixed-width integers (<stdint.h>'s names, declared here: NVRTC has no standard headers).
+using int32_t = int;
+using uint8_t = unsigned char;
+using uint16_t = unsigned short;
+using uint32_t = unsigned int;
+using uint64_t = unsigned long long;
+using uintptr_t = unsigned long long;
+static_assert(sizeof(uint16_t) == 2 && sizeof(uint32_t) == 4 && sizeof(uint64_t) == 8 && sizeof(uintptr_t) == sizeof(void*),
+              "fixed-width integers");
+
+// The outputs' element types: the bits of a bf16 or an fp16 (no cuda_bf16.h / cuda_fp16.h needed).
+struct Bf16 { uint16_t bits; };
+struct Fp16 { uint16_t bits; };
+
 constexpr int BLOCK_M = 64;    // query rows per consumer warpgroup: the skip rule's tile_q
 constexpr int BLOCK_N = 128;   // keys per tile: tile_kv
 constexpr int CONSUMERS = 2;
 constexpr int THREADS = 128 * (CONSUMERS + 1);
 constexpr float LOG2_P_SCALE = 8.807354922057604f;  // log2(448): P is stored as 448 * p
-constexpr float NEG_INF = -__builtin_huge_valf();
+constexpr float NEG_INF = __builtin_bit_cast(float, 0xff800000u);  // -inf, with no <cmath> to name it
 
 // The driver's CUtensorMap, opaque: 128 bytes, 64-byte aligned (kernel parameters by value).
 struct alignas(64) TensorMap { uint64_t opaque[16]; };
@@ -158,17 +166,25 @@ __device__ __forceinline__ float max_nan(float a, float b) {  // NaN wins, as to
   return d;
 }
 
-// An output value in OutT; fp16's range is clamped first, NaN kept: fp8's rounding of V less its mean can take
-// an average of values at fp16's limit past it, where the average itself cannot be.
+// An output value in OutT, rounded to nearest even; fp16's range is clamped first, NaN kept: fp8's rounding of V
+// less its mean can take an average of values at fp16's limit past it, where the average itself cannot be.
 template <typename OutT>
-__device__ __forceinline__ OutT to_output(float x) {
-  if constexpr (std::is_same_v<OutT, __half>) {
-    float y;
-    asm("min.NaN.f32 %0, %1, 0f477FE000;\n" : "=f"(y) : "f"(max_nan(x, -65504.f)));  // 65504
-    return __float2half_rn(y);
-  } else {
-    return static_cast<OutT>(x);
-  }
+__device__ __forceinline__ OutT to_output(float x);
+
+template <>
+__device__ __forceinline__ Bf16 to_output<Bf16>(float x) {
+  Bf16 y;
+  asm("cvt.rn.bf16.f32 %0, %1;\n" : "=h"(y.bits) : "f"(x));
+  return y;
+}
+
+template <>
+__device__ __forceinline__ Fp16 to_output<Fp16>(float x) {
+  float clamped;
+  asm("min.NaN.f32 %0, %1, 0f477FE000;\n" : "=f"(clamped) : "f"(max_nan(x, -65504.f)));  // 65504
+  Fp16 y;
+  asm("cvt.rn.f16.f32 %0, %1;\n" : "=h"(y.bits) : "f"(clamped));
+  return y;
 }
 
 __device__ __forceinline__ float exp2_approx(float x) {
@@ -420,6 +436,10 @@ struct Smem {
 
 template <int D, int STAGES>
 constexpr int smem_bytes() { return static_cast<int>(sizeof(Smem<D, STAGES>)) + 1024; }  // + alignment slack
+
+// G, the scores of a thread's row that share one K scale, for a K block size: a thread holds keys {2t, 2t + 1,
+// 8 + 2t, 9 + 2t} of every 16, so blocks of 1 give each score its own, 4 a pair, 16 four, 128 all 32.
+__host__ __device__ constexpr int scores_per_k_scale(int k_block) { return k_block == 1 ? 1 : k_block == 4 ? 2 : k_block == 16 ? 4 : 32; }
 
 // 16 values of P (accumulator chunks 4kk..4kk+3) as the k32 A fragment of the P.V product, from their e4m3
 // pairs: q[j] holds values 2j and 2j + 1.
@@ -857,27 +877,37 @@ __device__ __forceinline__ void attention(const TensorMap* map_q, const TensorMa
 
 }  // namespace sage_sm90
 
-// One entry point per (head dim, output dtype, k_block_size, skip): names read by kernels/sage_sm90.py.
-#define SAGE_SM90_KERNEL(NAME, D, G, SKIP, OUT)                                                             \
+// One entry point per (head dim, output dtype, K block size, skip), named as kernels/sage_sm90.py's
+// kernel_name: sage_sm90_d{D}_{bf16|fp16}_k{K block}[_skip].
+#define SAGE_SM90_CAT_(A, B) A##B
+#define SAGE_SM90_CAT(A, B) SAGE_SM90_CAT_(A, B)
+#define SAGE_SM90_KERNEL(NAME, D, KB, SKIP, OUT)                                                            \
   extern "C" __global__ void __launch_bounds__(sage_sm90::THREADS, 1)                                      \
       NAME(const __grid_constant__ sage_sm90::TensorMap map_q, const __grid_constant__ sage_sm90::TensorMap map_k, \
            const __grid_constant__ sage_sm90::TensorMap map_v, const sage_sm90::Params params) {                \
-    sage_sm90::attention<D, SAGE_SM90_STAGES, G, SKIP, SAGE_SM90_PINGPONG, SAGE_SM90_OVERLAP, OUT>(        \
-        &map_q, &map_k, &map_v, params);                                                                    \
+    sage_sm90::attention<D, SAGE_SM90_STAGES, sage_sm90::scores_per_k_scale(KB), SKIP, SAGE_SM90_PINGPONG,    \
+                         SAGE_SM90_OVERLAP, OUT>(&map_q, &map_k, &map_v, params);                           \
   }                                                                                                         \
-  extern "C" __device__ const int NAME##_smem = sage_sm90::smem_bytes<D, SAGE_SM90_STAGES>();
+  extern "C" __device__ const int SAGE_SM90_CAT(NAME, _smem) = sage_sm90::smem_bytes<D, SAGE_SM90_STAGES>();
 
-#define SAGE_SM90_KERNELS(D, DT, OUT)                                  \
-  SAGE_SM90_KERNEL(sage_sm90_d##D##_##DT##_k1, D, 1, false, OUT)       \
-  SAGE_SM90_KERNEL(sage_sm90_d##D##_##DT##_k1_skip, D, 1, true, OUT)   \
-  SAGE_SM90_KERNEL(sage_sm90_d##D##_##DT##_k4, D, 2, false, OUT)       \
-  SAGE_SM90_KERNEL(sage_sm90_d##D##_##DT##_k4_skip, D, 2, true, OUT)   \
-  SAGE_SM90_KERNEL(sage_sm90_d##D##_##DT##_k16, D, 4, false, OUT)      \
-  SAGE_SM90_KERNEL(sage_sm90_d##D##_##DT##_k16_skip, D, 4, true, OUT)    \
-  SAGE_SM90_KERNEL(sage_sm90_d##D##_##DT##_k128, D, 32, false, OUT)    \
-  SAGE_SM90_KERNEL(sage_sm90_d##D##_##DT##_k128_skip, D, 32, true, OUT)
+#define SAGE_SM90_OUT_bf16 sage_sm90::Bf16
+#define SAGE_SM90_OUT_fp16 sage_sm90::Fp16
+#define SAGE_SM90_SUFFIX_0
+#define SAGE_SM90_SUFFIX_1 _skip
+#define SAGE_SM90_ENTRY_(D, DT, KB, SKIP)                                                                      \
+  SAGE_SM90_KERNEL(SAGE_SM90_CAT(sage_sm90_d##D##_##DT##_k##KB, SAGE_SM90_SUFFIX_##SKIP), D, KB, SKIP, \
+                   SAGE_SM90_OUT_##DT)
+#define SAGE_SM90_ENTRY(D, DT, KB, SKIP) SAGE_SM90_ENTRY_(D, DT, KB, SKIP)
 
-SAGE_SM90_KERNELS(128, bf16, __nv_bfloat16)
-SAGE_SM90_KERNELS(128, fp16, __half)
-SAGE_SM90_KERNELS(64, bf16, __nv_bfloat16)
-SAGE_SM90_KERNELS(64, fp16, __half)
+#ifdef SAGE_SM90_HEAD_DIM  // one entry point, as the host builds them at first use
+SAGE_SM90_ENTRY(SAGE_SM90_HEAD_DIM, SAGE_SM90_OUT, SAGE_SM90_K_BLOCK, SAGE_SM90_SKIP)
+#else  // every one (the build test's ptxas report and SASS)
+#define SAGE_SM90_KERNELS(D, DT)                                                                    \
+  SAGE_SM90_ENTRY(D, DT, 1, 0) SAGE_SM90_ENTRY(D, DT, 1, 1) SAGE_SM90_ENTRY(D, DT, 4, 0)            \
+  SAGE_SM90_ENTRY(D, DT, 4, 1) SAGE_SM90_ENTRY(D, DT, 16, 0) SAGE_SM90_ENTRY(D, DT, 16, 1)          \
+  SAGE_SM90_ENTRY(D, DT, 128, 0) SAGE_SM90_ENTRY(D, DT, 128, 1)
+SAGE_SM90_KERNELS(128, bf16)
+SAGE_SM90_KERNELS(128, fp16)
+SAGE_SM90_KERNELS(64, bf16)
+SAGE_SM90_KERNELS(64, fp16)
+#endif
