@@ -230,15 +230,36 @@ def _given(argv: list[str], flag: str) -> bool:
 
 
 def _writable_directory(path: str) -> str | None:
-    """Why nothing can be written into directory ``path`` (made if missing), or None: a file is written there
-    and removed, the only check that holds whoever runs it."""
+    """Why nothing can be written into directory ``path``, or None: a file is written and removed in it, or in
+    the nearest folder above it that exists (the only check that holds whoever runs it). Nothing is made, so a
+    run that fails leaves no empty folder behind; the results' writers make the missing ones."""
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return f"{existing!r} is a file, not a folder"
     try:
-        os.makedirs(path, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):
+        with tempfile.TemporaryFile(dir=existing):
             pass
     except OSError as err:
         return err.strerror or str(err)
     return None
+
+
+def _read_prompts(p: argparse.ArgumentParser, path: str) -> list[str]:
+    """The prompts of ``path``, one per non-empty line; a file that is not UTF-8 text or holds no prompt is an
+    argument error naming it."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            prompts = [line.strip() for line in f if line.strip()]
+    except UnicodeDecodeError as err:
+        p.error(f"argument --prompts: {path!r} is not UTF-8 text (byte {err.object[err.start]:#04x} at offset "
+                f"{err.start}); save it as UTF-8, one prompt per line")
+    except OSError as err:
+        p.error(f"argument --prompts: cannot read {path!r}: {err.strerror or err}")
+    if not prompts:
+        p.error(f"argument --prompts: {path!r} holds no prompt; write one prompt per line")
+    return prompts
 
 
 def _library_check(p: argparse.ArgumentParser, flag: str, check: Callable[[Any], Any], value: Any) -> None:
@@ -366,6 +387,7 @@ def parse_calibrate_args(argv: list[str]) -> argparse.Namespace:
                 "random prompt embeddings)")
     if args.prompts and not os.path.isfile(args.prompts):
         p.error(f"argument --prompts: {args.prompts!r} is not a file")
+    args.prompt_lines = _read_prompts(p, args.prompts) if args.prompts else None
     _library_check(p, "--fit-range", check_fit_range, args.fit_range)
     if not args.model:
         _check_offline_size(p, args)
@@ -396,10 +418,7 @@ def run_calibrate(args: argparse.Namespace) -> Any:
         if not torch.cuda.is_available():
             raise RuntimeError("calibrate --model needs a CUDA GPU (without --model it calibrates the tiny offline "
                                "pipeline).")
-        with open(args.prompts, encoding="utf-8") as f:
-            prompts: list[Any] = [line.strip() for line in f if line.strip()]
-        if not prompts:
-            raise ValueError(f"{args.prompts} holds no prompt (one per line).")
+        prompts: list[Any] = args.prompt_lines
         pipe = DiffusionPipeline.from_pretrained(args.model, torch_dtype=torch.bfloat16).to("cuda")
     else:
         pipe, inputs = build_demo_pipeline(args.seed)

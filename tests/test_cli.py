@@ -55,6 +55,27 @@ def test_bad_values_stop_before_any_model_with_one_line(argv, says, capsys, no_m
     assert says in _refused(argv, capsys)
 
 
+def test_a_prompts_file_that_is_not_utf8_is_named_with_the_fix(tmp_path, capsys, no_model):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_bytes("un caf\xe9\n".encode("latin-1"))
+    err = _refused(["calibrate", "--model", "m", "--prompts", str(prompts)], capsys)
+    assert str(prompts) in err and "UTF-8" in err and "save it as UTF-8" in err
+
+
+def test_a_failed_calibrate_run_leaves_no_empty_out_folder(tmp_path, monkeypatch, capsys):
+    from diffusers_trtllm import calibration
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("the run failed")
+
+    monkeypatch.setattr(calibration, "calibrate", fail)
+    out = tmp_path / "new" / "deeper" / "calib.json"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["calibrate", "--num-prompts", "1", "--steps", "1", "--out", str(out)])
+    assert "the run failed" in str(exit_info.value.code)
+    assert not (tmp_path / "new").exists()
+
+
 @pytest.mark.parametrize("content", [{"config_groups": {}}, {"sparse_attention_config": {"config_groups": {"g": {
     "algorithm": "skip_softmax", "threshold_scale_factor": {"formula": "a * b"}}}}}, [1, 2]])
 def test_a_calibration_file_of_the_wrong_schema_is_refused(content, tmp_path, capsys, no_model):

@@ -150,3 +150,21 @@ def test_outer_product_mask_rows_match_masked_sdpa():
     causal = torch.ones(4, 4, dtype=torch.bool).tril()
     with pytest.raises(MaskNotSupportedError):
         query_key_masks(causal, 1, 4, 4)
+
+
+def test_a_nan_in_a_masked_out_text_key_never_reaches_the_output():
+    """Stock SDPA adds the mask to every score, so a NaN key it masks out still turns its rows NaN; ours packs the
+    valid keys only, so a masked key is never read (docs/usage.md, "Masks"): the output is the one the same model
+    gives with that padding token zeroed."""
+    model, inputs = tiny_models.build("ltx")  # text tokens 4 and 5 are padding
+    poisoned = dict(inputs, encoder_hidden_states=inputs["encoder_hidden_states"].clone())
+    poisoned["encoder_hidden_states"][:, 5] = float("nan")
+    zeroed = dict(inputs, encoder_hidden_states=inputs["encoder_hidden_states"].clone())
+    zeroed["encoder_hidden_states"][:, 5] = 0.0
+    assert torch.isnan(_run(model, poisoned)).all(), "stock turns the whole output NaN"
+    stock_zeroed = _run(model, zeroed)
+    model.set_attn_processor(TrtllmAttnProcessor(backend="reference"))
+    out = _run(model, poisoned)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, _run(model, zeroed))
+    torch.testing.assert_close(out, stock_zeroed, rtol=1e-4, atol=1e-4)

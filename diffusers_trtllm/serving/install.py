@@ -6,9 +6,9 @@ of a pipeline's denoisers (``serving.modules``: ``transformer``, ``transformer_2
 ``set_attn_processor`` / ``set_processor`` (29 Diffusers transformers have no
 ``set_attn_processor``; ``MochiAttention`` has no ``set_processor``). :func:`uninstall`
 puts the stock processors back, and once no layer of ours is left anywhere, every
-Diffusers global we changed (``setters.restore_if_unused``); Diffusers' setters stay wrapped
-while a processor of ours lives, so ``pipe.transformer.set_attn_processor(proc)`` works
-too, before an install or after an uninstall (``serving.setters``).
+Diffusers global and setter we changed (``setters.restore_if_unused``);
+``pipe.transformer.set_attn_processor(proc)`` works too, before an install or after an
+uninstall (``serving.setters``).
 See docs/design.md.
 """
 
@@ -21,7 +21,7 @@ import torch
 from .._logging import logger
 from .modules import target_modules, uncompiled
 from .processor import TrtllmAttnProcessor
-from .setters import drop_layer, put_processor, restore_if_unused
+from .setters import drop_layer, put_processor, recorded_replacement, restore_if_unused
 from .timestep import detach_tracker, tracker_of
 
 __all__ = ["install", "uninstall"]
@@ -45,8 +45,9 @@ def install(target: Any, processor: TrtllmAttnProcessor) -> Any:
         for name, module in uncompiled(module_root).named_modules():
             if not _has_processor(module):
                 continue
-            # A processor of ours being replaced: the layer keeps the stock processor it recorded.
-            processor.bind(module, replaced=module.processor, name=name or None)
+            # A processor of ours being replaced (or one swapped in over ours by attribute): the layer keeps the
+            # stock processor it recorded.
+            processor.bind(module, replaced=recorded_replacement(module, module.processor), name=name or None)
             put_processor(module, processor)
             served += 1
         tracker = tracker_of(module_root, tracker)
@@ -61,7 +62,8 @@ def uninstall(target: Any) -> Any:
     """Put back the stock processors of ``target``'s attention modules and drop our state from them.
 
     Once no layer of ours is left in the process, Diffusers' module globals and
-    processor setters are restored too, so the model runs exactly as a fresh one.
+    processor setters are restored too (unless a processor of ours awaits its first layer),
+    so the model runs exactly as a fresh one.
     Returns ``target``.
     """
     for module_root in target_modules(target).values():

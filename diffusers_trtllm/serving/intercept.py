@@ -12,7 +12,8 @@ functions the processor reaches for are rebound in its module:
 
 The rebound functions take ``*args, **kwargs`` and hand them unchanged to Diffusers'
 or torch's own function unless this thread is running one of our layers and the
-call is one we serve (no dropout, not causal, no autograd, no argument we do not know,
+call is one we serve (no dropout, not causal, no autograd, no layer-skip guidance skipping its scores
+(:mod:`.guidance`), no argument we do not know,
 context parallelism as Ulysses, ring or both with even splits, ring without a mask: :mod:`.parallel`). So a stock model, in any thread, is never routed, and
 a new Diffusers argument passes through. Everything rebound is recorded and
 :func:`restore_globals` puts it back.
@@ -37,6 +38,7 @@ import torch
 import torch.nn.functional as torch_F
 
 from .._logging import info_once, warn_once
+from .guidance import attention_scores_skipped
 from .parallel import Degrees, context_parallel_attention, served_degrees
 
 __all__ = [
@@ -243,6 +245,8 @@ def _servable_arguments(names: tuple[str, ...], args: tuple, kwargs: dict, query
     (it then runs stock, unchanged); ``degrees``: the Ulysses and ring degrees of a context-parallel call."""
     if torch.is_grad_enabled() and query.requires_grad:
         return None, "autograd is on (the inputs require grad) and our kernels have no backward"
+    if attention_scores_skipped():
+        return None, "layer-skip guidance skips its attention scores (Diffusers answers F.scaled_dot_product_attention)"
     if len(args) > len(names):
         return None, "it passes more positional arguments than this version knows"
     given = dict(zip(names, args))

@@ -13,7 +13,8 @@ stay Diffusers'); only the core attention call is routed to our kernels
 (:mod:`diffusers_trtllm.serving.layer`); statistics in :mod:`diffusers_trtllm.stats`. This
 module holds the settings, resolves them per role and layer, and gives each layer what it
 needs through a small public surface (``settings_for``, ``call_observer``,
-``fallback_timestep``, ``step_callback_attached``, ``layouts``, ``adopt`` / ``release``).
+``fallback_timestep``, ``step_callback_attached``, ``layouts``, ``adopt`` / ``release``,
+``stock_processor``).
 See docs/design.md.
 """
 
@@ -37,7 +38,7 @@ from ..stats import StepRecord
 from . import intercept as _intercept
 from .layer import Calibration, LayerState, attach_layer, layer_of
 from .roles import ROLES
-from .setters import hold_setters
+from .setters import hold_setters, layer_bound, restored_stock
 
 __all__ = ["TrtllmAttnProcessor", "LayerState", "StepRecord", "Calibration", "Settings", "ROLES"]
 
@@ -142,6 +143,7 @@ class TrtllmAttnProcessor:
         defaults = {"backend": "auto", "policy": "auto"}
         given = {k for k, v in base.items() if v is not None and v != defaults.get(k)}
         self._explicit = {role: given | set(roles[role] if isinstance(roles.get(role), Mapping) else ()) for role in ROLES}
+        self._built_without_arguments = not given and not roles and not collect_stats
         self.roles = roles
         if not isinstance(collect_stats, bool):  # bool("no") would turn the counting on
             raise ControlTypeError(f"collect_stats must be True or False; got {collect_stats!r:.60} "
@@ -177,6 +179,12 @@ class TrtllmAttnProcessor:
     def adopt(self, state: LayerState) -> None:
         """Serve ``state`` (a layer restored from a copy or a pickle)."""
         self._layers.add(state)
+        layer_bound(self, TrtllmAttnProcessor)
+
+    @property
+    def is_blank(self) -> bool:
+        """Built with no arguments and never installed: what Diffusers makes when it rebuilds a processor by class."""
+        return self._built_without_arguments and not self._layers and not self._retired
 
     def release(self, module: torch.nn.Module, state: LayerState) -> None:
         """Stop serving ``state`` (``module`` was uninstalled or took another processor); its records stay in this
@@ -245,7 +253,10 @@ class TrtllmAttnProcessor:
         self._set_on_stock("_parallel_config", config)
 
     # ---- the processor call ---------------------------------------------------------------
-    def __call__(self, attn: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    # ``__call__(attn, *args, <every keyword of the stock processors>, **kwargs)`` is made by ``_define_call``
+    # (below the class) and hands what was passed to ``_process``.
+    def _process(self, attn: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
+        """Run ``attn``'s stock processor with its attention call served."""
         state = layer_of(attn)
         if state is None or state.processor is not self:
             state = self.bind(attn)
@@ -278,6 +289,8 @@ class TrtllmAttnProcessor:
             stock = copy.copy(replaced)
         elif state.stock is not None:
             stock = state.stock
+        elif restored_stock(module) is not None:  # put back by Diffusers' own setter after uninstall
+            stock = restored_stock(module)
         elif getattr(module, "_default_processor_cls", None) is not None:
             stock = module._default_processor_cls()
         else:
@@ -290,7 +303,13 @@ class TrtllmAttnProcessor:
         _accept_keywords(stock)
         state.refresh()
         self._layers.add(state)
+        layer_bound(self, TrtllmAttnProcessor)
         return state
+
+    def stock_processor(self, attn: torch.nn.Module) -> Any:
+        """The family processor doing ``attn``'s work around its attention call (None when none is known)."""
+        state = layer_of(attn)
+        return state.stock if state is not None else None
 
     @property
     def layers(self) -> list[LayerState]:
@@ -393,12 +412,38 @@ def _forward_attr(stock: Any, name: str, value: Any) -> None:
 _KEYWORDS: set[str] = {"hidden_states", "encoder_hidden_states", "attention_mask"}
 
 
-def _call_signature() -> inspect.Signature:
-    P = inspect.Parameter
-    params = [P("self", P.POSITIONAL_ONLY), P("attn", P.POSITIONAL_ONLY), P("args", P.VAR_POSITIONAL)]
-    params += [P(name, P.KEYWORD_ONLY, default=None) for name in sorted(_KEYWORDS)]
-    params.append(P("kwargs", P.VAR_KEYWORD))
-    return inspect.Signature(params)
+class _Unset:
+    """The default of every keyword our ``__call__`` names: the caller did not pass it."""
+
+    def __repr__(self) -> str:
+        return "<not passed>"
+
+
+_UNSET = _Unset()
+#: Names the generated ``__call__`` uses itself, never taken as keywords.
+_OWN_NAMES = frozenset({"self", "attn", "args", "kwargs", "given"})
+
+
+def _define_call() -> None:
+    """Make ``TrtllmAttnProcessor.__call__`` a plain function whose parameters name ``_KEYWORDS``.
+
+    A real function, not a ``__signature__``: ``torch.compile`` reads a real function's signature
+    itself, where a ``Signature`` object's parameter mapping breaks a full graph (Flux reads the
+    signature on every call). Each keyword defaults to ``_UNSET``, so only what the caller passed
+    reaches the stock processor.
+    """
+    names = sorted(_KEYWORDS)
+    source = (f"def __call__(self, attn, /, *args, {', '.join(f'{n}=_UNSET' for n in names)}, **kwargs):\n"
+              f"    given = {{{', '.join(f'{n!r}: {n}' for n in names)}}}\n"
+              f"    kwargs.update({{k: v for k, v in given.items() if v is not _UNSET}})\n"
+              f"    return self._process(attn, args, kwargs)\n")
+    namespace: dict[str, Any] = {"_UNSET": _UNSET}
+    exec(source, namespace)  # noqa: S102 - the names are parameter names read from Diffusers' processors
+    call = namespace["__call__"]
+    call.__doc__ = TrtllmAttnProcessor._process.__doc__
+    call.__qualname__ = "TrtllmAttnProcessor.__call__"
+    call.__module__ = __name__
+    TrtllmAttnProcessor.__call__ = call  # type: ignore[method-assign]
 
 
 def _keywords_of(processor_cls: type) -> set[str]:
@@ -406,7 +451,7 @@ def _keywords_of(processor_cls: type) -> set[str]:
         params = inspect.signature(processor_cls.__call__).parameters.values()
     except (TypeError, ValueError):
         return set()
-    return {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)} - {"self", "attn"}
+    return {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)} - _OWN_NAMES
 
 
 def _accept_keywords(stock: Any) -> None:
@@ -414,7 +459,7 @@ def _accept_keywords(stock: Any) -> None:
     names = _keywords_of(type(stock)) if stock is not None else set()
     if not names <= _KEYWORDS:
         _KEYWORDS.update(names)
-        TrtllmAttnProcessor.__call__.__signature__ = _call_signature()  # type: ignore[attr-defined]
+        _define_call()
 
 
 def _seed_keywords() -> None:
@@ -427,4 +472,4 @@ def _seed_keywords() -> None:
 
 
 _seed_keywords()
-TrtllmAttnProcessor.__call__.__signature__ = _call_signature()  # type: ignore[attr-defined]
+_define_call()

@@ -1,16 +1,19 @@
 """Diffusers' processor setters, wrapped so that ``set_attn_processor(proc)`` binds our layers.
 
 Diffusers' ``set_processor`` keeps no record of the processor it replaces, and an old
-``attention_processor.Attention`` does not name its stock processor, so while a processor
-of ours exists, ``set_processor`` (of ``Attention`` and ``AttentionModuleMixin``) is
-wrapped to hand the replaced processor to ours, and ``AttentionMixin.set_attn_processor``
-to name each layer. Both wrappers act only when ours is involved.
+``attention_processor.Attention`` does not name its stock processor, so while something of
+ours needs it, ``set_processor`` (of ``Attention`` and ``AttentionModuleMixin``) is wrapped to
+hand the replaced processor to ours, and ``AttentionMixin.set_attn_processor`` to name each
+layer. Both wrappers act only when ours is involved, and pass every other call to Diffusers'
+own function unchanged.
 
-The wrapping lasts exactly as long as some processor of ours lives (:func:`hold_setters`, from its
-construction, since ``set_attn_processor(proc)`` is an install no hook of ours sees, to its garbage
-collection), so it also serves a processor put back after ``uninstall``. :func:`restore_if_unused` puts
-the globals ``intercept`` rebound back once no layer of ours is alive, and the setters too once no
-processor of ours is. See docs/design.md ("Process-wide state").
+The wrapping lasts while a layer of ours lives, or a processor of ours that has served no
+layer yet (:func:`hold_setters`, from its construction, since ``set_attn_processor(proc)`` is
+an install no hook of ours sees). After the last ``uninstall`` Diffusers is its own again
+(:func:`restore_if_unused`), and putting a processor back with Diffusers' setter binds lazily,
+from the stock processor ``uninstall`` put back (:func:`restored_stock`). Our class is named
+in Diffusers' layer-skip registry for the same time (:mod:`.guidance`). See docs/design.md
+("Process-wide state").
 """
 
 from __future__ import annotations
@@ -25,34 +28,59 @@ import torch
 
 from .._logging import info_once, logger
 from . import intercept
+from .guidance import register_skip_output, unregister_skip_output
 from .layer import detach_layer, layer_of
 from .timestep import tracker_of
 
-__all__ = ["hold_setters", "unpatch_diffusers", "restore_if_unused", "drop_layer", "put_processor"]
+__all__ = ["hold_setters", "layer_bound", "unpatch_diffusers", "restore_if_unused", "drop_layer", "put_processor",
+           "recorded_replacement", "restored_stock"]
 
 #: (class, attribute name, Diffusers' original) for every setter we wrapped.
 _WRAPPED: list[tuple[type, str, Any]] = []
-#: How many processors of ours are alive (each holds the wrapping; a layer holds its processor).
-_holders = 0
-_holders_lock = threading.RLock()  # (a collection inside the lock may run a finalizer)
+#: Our class, while it is named in Diffusers' layer-skip registry.
+_REGISTERED: list[type] = []
+#: ids of the processors of ours that have served no layer yet: each holds the wrapping (``set_attn_processor(proc)``).
+_pending: set[int] = set()
+#: Module -> the stock processor ``uninstall`` put back on it, for a processor put back by Diffusers' own setter.
+_restored: "weakref.WeakKeyDictionary[torch.nn.Module, Any]" = weakref.WeakKeyDictionary()
+_lock = threading.RLock()  # (a collection inside the lock may run a finalizer)
 
 
 def hold_setters(processor: Any, ours: type) -> None:
-    """Keep Diffusers' setters wrapped for as long as ``processor`` (an ``ours``) lives."""
-    global _holders
-    with _holders_lock:
+    """Keep Diffusers' setters wrapped until ``processor`` (an ``ours``) serves a layer or is collected."""
+    with _lock:
         _patch_diffusers(ours)
-        _holders += 1
-    weakref.finalize(processor, _release_setters).atexit = False
+        _pending.add(id(processor))
+    weakref.finalize(processor, _collected, id(processor)).atexit = False
 
 
-def _release_setters() -> None:
-    """A processor of ours was collected: the last one takes the wrapping with it (its layers went first,
-    since each holds its processor)."""
-    global _holders
-    with _holders_lock:
-        _holders -= 1
+def _collected(processor_id: int) -> None:
+    """A processor of ours was collected (its layers went first, since each holds its processor)."""
+    with _lock:
+        _pending.discard(processor_id)
     restore_if_unused(collect=False)
+
+
+def layer_bound(processor: Any, ours: type) -> None:
+    """``processor`` serves a layer: the layer holds the wrapping from now on (wrapped again if an ``uninstall``
+    had put Diffusers' setters back and the processor was then put back by them)."""
+    with _lock:
+        _patch_diffusers(ours)
+        _pending.discard(id(processor))
+
+
+def recorded_replacement(module: torch.nn.Module, current: Any) -> Any:
+    """The processor that ``current`` (on ``module`` now) stands for as the layer's stock one: None when a layer of
+    ours already records its stock processor, since ``current`` was then put in by attribute over ours, which
+    only a transient swap does (PAG pipelines put their processors in that way, and ours back with
+    ``set_attn_processor``); the setters' path would have dropped our layer."""
+    state = layer_of(module)
+    return None if state is not None and state.stock is not None else current
+
+
+def restored_stock(module: torch.nn.Module) -> Any:
+    """The stock processor ``uninstall`` put back on ``module`` (None if it put none back)."""
+    return _restored.get(module)
 
 
 def put_processor(module: torch.nn.Module, processor: Any) -> None:
@@ -71,11 +99,12 @@ def drop_layer(module: torch.nn.Module, restore: bool, ours: type) -> None:
         if state.stock is None:
             raise RuntimeError(f"{type(module).__name__} has no recorded stock processor to restore ({state.reason}).")
         put_processor(module, state.stock)
+        _restored[module] = state.stock
 
 
 def restore_if_unused(collect: bool = True) -> bool:
     """Restore Diffusers' globals once no layer of ours is alive (True if so), and its setters once no
-    processor of ours is either.
+    processor of ours waits for its first layer either.
 
     ``collect``: first free layers of models dropped in a reference cycle (a garbage collection:
     once per ``uninstall``, not per module).
@@ -85,8 +114,8 @@ def restore_if_unused(collect: bool = True) -> bool:
     if intercept.live_layers():
         return False
     restored = intercept.restore_globals()
-    with _holders_lock:
-        if not _holders:
+    with _lock:
+        if not _pending:
             unpatch_diffusers()
     if restored:
         logger.debug("diffusers_trtllm: restored Diffusers' globals in %s", ", ".join(restored))
@@ -97,6 +126,8 @@ def _patch_diffusers(ours: type) -> None:
     """Wrap Diffusers' processor setters (once) so installing an ``ours`` records the processor it replaces."""
     if _WRAPPED:
         return
+    register_skip_output(ours)
+    _REGISTERED.append(ours)
     from diffusers.models.attention import AttentionMixin, AttentionModuleMixin
     from diffusers.models.attention_processor import Attention
 
@@ -118,7 +149,7 @@ def _patch_diffusers(ours: type) -> None:
                 return
             _original(self, processor)
             if isinstance(processor, ours):
-                processor.bind(self, replaced=replaced)
+                processor.bind(self, replaced=recorded_replacement(self, replaced))
             elif layer_of(self) is not None:
                 drop_layer(self, restore=False, ours=ours)
                 restore_if_unused(collect=False)
@@ -133,6 +164,8 @@ def _patch_diffusers(ours: type) -> None:
         # unfuse_qkv_projections() of an old-style model (SD3) puts back the processors it saved at fusing,
         # which are ours: the stock processors the fuse replaced go back under them, as without us.
         unfusing = isinstance(processor, dict) and processor is getattr(self, "original_attn_processors", None)
+        if isinstance(processor, dict):
+            processor = _keep_rebuilt(self, processor, ours)
         original_set(self, processor)
         served = False
         for name, module in self.named_modules():
@@ -150,6 +183,24 @@ def _patch_diffusers(ours: type) -> None:
     AttentionMixin.set_attn_processor = set_attn_processor
 
 
+def _keep_rebuilt(model: torch.nn.Module, processors: dict, ours: type) -> dict:
+    """``processors`` with every blank ``ours`` (built with no arguments, never installed) that would replace
+    one of ours kept as the one serving the layer: that is Diffusers rebuilding processors by class,
+    ``type(proc)()``, as ``load_ip_adapter`` and ``unload_ip_adapter`` do, which would drop the user's settings.
+    One processor given for every layer (not a dict) is always honoured."""
+    kept = dict(processors)
+    for name, module in model.named_modules():
+        key = f"{name}.processor"
+        new, current = kept.get(key), getattr(module, "processor", None)
+        if isinstance(new, ours) and new.is_blank and isinstance(current, ours) and new is not current:
+            kept[key] = current
+            info_once(("rebuilt-by-class",),
+                      "TrtllmAttnProcessor: set_attn_processor was handed a new TrtllmAttnProcessor() per layer "
+                      "(Diffusers rebuilding processors by class, as load_ip_adapter / unload_ip_adapter do); each "
+                      "layer keeps the processor serving it, with its settings.")
+    return kept
+
+
 def _is_fused(module: torch.nn.Module, processor: Any) -> bool:
     """Whether ``processor`` is Diffusers' fused-projection variant handed to a module whose projections
     ``fuse_qkv_projections()`` just fused (SD3, CogVideoX, HunyuanDiT, AuraFlow, PixArt)."""
@@ -157,7 +208,9 @@ def _is_fused(module: torch.nn.Module, processor: Any) -> bool:
 
 
 def unpatch_diffusers() -> None:
-    """Put Diffusers' own processor setters back."""
+    """Put Diffusers' own processor setters back, and take our class out of its layer-skip registry."""
     while _WRAPPED:
         cls, name, original = _WRAPPED.pop()
         setattr(cls, name, original)
+    while _REGISTERED:
+        unregister_skip_output(_REGISTERED.pop())

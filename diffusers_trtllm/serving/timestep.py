@@ -95,6 +95,17 @@ class TimestepNormalizer:
         return min(max(t, 0.0), 1.0)
 
 
+    def step_of(self, t: float) -> int | None:
+        """The pipeline's step computing ``t``: its place in the scheduler's timesteps (None without a scheduler,
+        or off its list). Steps whose attention a cache skipped keep their numbers this way."""
+        known = self._scheduler_timesteps()
+        if known is None:
+            return None
+        timesteps, n = known
+        index = min(range(len(timesteps)), key=lambda i: abs(timesteps[i] / n - t))
+        return index if abs(timesteps[index] / n - t) <= _SNAP else None
+
+
 def _weak(obj: Any) -> Callable[[], Any]:
     """A weak reference where the object allows one, else a plain one."""
     try:
@@ -196,13 +207,17 @@ class TimestepTracker:
         self._cache = None
 
     def _observe(self, t: float) -> None:
-        """Advance the step when t changes; a rising t starts a new run."""
+        """Number the step of ``t``: the pipeline's (the scheduler's place of ``t``) where known, else the next one
+        when t changes; a rising t starts a new run."""
         self._start_run_if_ended()
         last = self._last_t
+        step = self.normalizer.step_of(t) if self.normalizer is not None else None
         if last is not None and t > last + 1e-6:
             self.reset()
-        elif t != last and self._calls_in_step:
-            self.step += 1
+        elif step is None and t != last and self._calls_in_step:
+            step = self.step + 1
+        if step is not None and step != self.step:
+            self.step = step
             self._calls_in_step = 0
         self._last_t = t
 
