@@ -3,6 +3,8 @@
     python3 benchmarks/sage_error_probe.py --models wan2.1-t2v-1.3b --variant full --latent 16,5,30,52 \
         --calls 0,10,20,29 --out benchmarks/results/sage_error_probe_cpu.json
     python3 benchmarks/sage_error_probe.py --models wan2.1-t2v-1.3b --variant full --calls 0,10,20,29 --device cuda
+    python3 benchmarks/sage_error_probe.py --models wan2.1-t2v-1.3b --calls 0 --queries 128 --k-mean 4 \
+        --out benchmarks/results/sage_error_probe_cpu_kmean.json
 
 Builds a model with random weights (``probe``: one block, two heads at the published geometry; ``full``:
 the published config, with ``--latent`` to shorten it on a CPU), records the Q, K, V of its self/joint
@@ -11,7 +13,9 @@ its keys runs the reference's SAGE emulation (``reference_attention`` with ``qua
 project's Hopper kernels' recipe: what every SAGE kernel here computes) per setting and, with ``--device cuda``, the GPU kernels themselves (``sage-sm90``,
 ``triton``, SageAttention2), each with rel-L1 and cosine against fp32 dense. It tells which choices
 (``smooth_k``, block sizes, the kernel) move the error on a model's activations, where the kernel benches
-use synthetic inputs. Random weights are not a trained model: read the ranking, not the exact figures.
+use synthetic inputs. Random weights are not a trained model: read the ranking, not the exact figures. Their
+keys have almost no per-channel mean, trained models' have one of a few standard deviations: ``--k-mean S``
+adds one of ``S`` standard deviations of K to the recorded keys (softmax is unchanged by it, quantization not).
 """
 
 from __future__ import annotations
@@ -34,16 +38,16 @@ from diffusers_trtllm.measure import cosine, rel_l1
 #: The emulated recipes: (quantization, ``smooth_v``). FlashInfer's quantizer keeps V's mean in (the rows without
 #: ``smooth_v``); the project's Hopper kernels (``sage-sm90``, ``triton``, ``gluon``) take it off (the rows with it).
 SETTINGS = {
-    "int8 (q 1, k 16)": (QuantConfig("int8", 1, 16), False),
+    "int8 (q 1, k 16)": (QuantConfig("int8", 1, 16, smooth_k=False), False),
     "int8 (q 1, k 16) + smooth_k": (QuantConfig("int8", 1, 16, smooth_k=True), False),
-    "int8 (q 1, k 4)": (QuantConfig("int8", 1, 4), False),
+    "int8 (q 1, k 4)": (QuantConfig("int8", 1, 4, smooth_k=False), False),
     "int8 (q 1, k 4) + smooth_k": (QuantConfig("int8", 1, 4, smooth_k=True), False),
-    "int8 (q 1, k 128)": (QuantConfig("int8", 1, 128), False),
+    "int8 (q 1, k 128)": (QuantConfig("int8", 1, 128, smooth_k=False), False),
     "int8 (q 1, k 128) + smooth_k": (QuantConfig("int8", 1, 128, smooth_k=True), False),
-    "fp8 (q 1, k 16)": (QuantConfig("fp8_e4m3", 1, 16), False),
+    "fp8 (q 1, k 16)": (QuantConfig("fp8_e4m3", 1, 16, smooth_k=False), False),
     "fp8 (q 1, k 16) + smooth_k": (QuantConfig("fp8_e4m3", 1, 16, smooth_k=True), False),
-    "int8 (q 1, k 16) + smooth_v": (QuantConfig("int8", 1, 16), True),
-    "int8 (q 1, k 128) + smooth_v": (QuantConfig("int8", 1, 128), True),
+    "int8 (q 1, k 16) + smooth_v": (QuantConfig("int8", 1, 16, smooth_k=False), True),
+    "int8 (q 1, k 128) + smooth_v": (QuantConfig("int8", 1, 128, smooth_k=False), True),
 }
 
 #: The GPU kernels ``--device cuda`` runs beside the emulation (``kernels``), by route name.
@@ -80,9 +84,12 @@ def record_qkv(name: str, variant: str, latent: tuple[int, ...] | None, calls: t
 
 
 def run_model(name: str, variant: str, latent: tuple[int, ...] | None, calls: tuple[int, ...], queries: int,
-              seed: int, device: str, chosen: tuple[str, ...] = KERNELS) -> list[dict]:
+              seed: int, device: str, chosen: tuple[str, ...] = KERNELS, k_mean: float = 0.0) -> list[dict]:
     rows = []
     for call, (q, k, v) in record_qkv(name, variant, latent, calls, seed, device).items():
+        if k_mean:  # a channel mean shared by every key, as trained models' keys carry
+            gen = torch.Generator(device=k.device).manual_seed(seed + call)
+            k = k + k_mean * k.std() * torch.randn(k.shape[1:], generator=gen, device=k.device)
         rows += run_call(name, call, q, k, v, queries, seed, chosen)
     return rows
 
@@ -170,17 +177,20 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help="cuda also runs the GPU kernels on the recorded Q/K/V")
     p.add_argument("--kernels", default=",".join(KERNELS), help=f"GPU kernels to run, from {', '.join(KERNELS)}")
+    p.add_argument("--k-mean", type=float, default=0.0,
+                   help="add to the recorded keys a per-channel mean of this many K standard deviations")
     p.add_argument("--out", default=None, help="JSON results file; a Markdown table is written beside it")
     args = p.parse_args()
     latent = tuple(int(x) for x in args.latent.split(",")) if args.latent else None
     calls = tuple(int(x) for x in args.calls.split(","))
     rows = [row for name in args.models.split(",")
             for row in run_model(name, args.variant, latent, calls, args.queries, args.seed, args.device,
-                                 tuple(args.kernels.split(",")))]
+                                 tuple(args.kernels.split(",")), args.k_mean)]
     import diffusers
 
     gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
-    env = dict(device=gpu, torch=torch.__version__, diffusers=diffusers.__version__, python=platform.python_version())
+    env = dict(device=gpu, torch=torch.__version__, diffusers=diffusers.__version__, python=platform.python_version(),
+               k_mean=args.k_mean)
     print(markdown(dict(environment=env, command="sage_error_probe.py", rows=rows)))
     if args.out:
         write_result(args.out, "sage_error_probe.py", env, rows, markdown)
