@@ -12,7 +12,6 @@ import torch
 import family_models
 import tiny_models
 from diffusers_trtllm import TrtllmAttnProcessor, attach_denoise_tracking, install, uninstall
-from diffusers_trtllm import _logging
 from diffusers_trtllm.serving import intercept
 from diffusers_trtllm.serving.layer import layer_of
 
@@ -35,15 +34,6 @@ def _setters_wrapped() -> bool:
 
     return any(hasattr(f, "__wrapped__") for f in (AttentionModuleMixin.set_processor, Attention.set_processor,
                                                     AttentionMixin.set_attn_processor))
-
-
-@pytest.fixture
-def fresh_warnings():
-    saved = set(_logging._warned)
-    _logging._warned.clear()
-    yield
-    _logging._warned.clear()
-    _logging._warned.update(saved)
 
 
 # ---- 1. PAG pipelines swap processors in by attribute -----------------------------------------------

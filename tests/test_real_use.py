@@ -14,21 +14,10 @@ from diffusers_trtllm import (
     DenoiseStepCallback, TrtllmAttnProcessor, attach_denoise_tracking, calibrate, detach_denoise_tracking, install,
     load_calibration, save_calibration, uninstall,
 )
-from diffusers_trtllm import _logging
 from diffusers_trtllm.calibration.checkpoint import read_calibration, sparse_attention_config
 from diffusers_trtllm.demo import build_demo_pipeline
 
 STEPS = 4
-
-
-@pytest.fixture
-def fresh_warnings():
-    """Warnings are issued once per process: forget the ones earlier tests raised."""
-    saved = set(_logging._warned)
-    _logging._warned.clear()
-    yield
-    _logging._warned.clear()
-    _logging._warned.update(saved)
 
 
 def _warnings(caplog, text: str) -> list[str]:
