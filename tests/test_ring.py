@@ -59,7 +59,7 @@ def test_routes_say_whether_they_return_the_lse():
     layout = PackedLayout.dense(1, 64, 64, "cpu")
     call = AttentionCall(q, q, q, layout, softmax_scale=0.1, return_lse=True, kv_shards=2)
     lse_routes = {name for name in route_names() if get_route(name).caps.lse}
-    assert lse_routes == {"fa3", "fmha-v2", "fmha-v2-fp8", "triton", "reference"}
+    assert lse_routes == {"fa3", "fmha-v2", "fmha-v2-fp8", "sage-sm90", "triton", "reference"}
     for name in route_names():
         reasons = get_route(name).not_supported_reasons(call)
         assert any("log-sum-exp" in r for r in reasons) == (name not in lse_routes), (name, reasons)

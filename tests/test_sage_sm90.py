@@ -9,6 +9,7 @@ import re
 import stat
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +22,7 @@ from diffusers_trtllm.kernels import cuda_jit, sage_sm90
 from diffusers_trtllm.kernels.triton_quant import mma_key_column
 from diffusers_trtllm.layout import PackedLayout
 from diffusers_trtllm.routing import AttentionCall, NoRouteError, select_route
+from diffusers_trtllm.routing.policy import apply_policy
 
 SOURCE = cuda_jit.source_path("sage_sm90.cu")
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,7 +35,7 @@ def _c_struct_fields(name: str) -> list[str]:
 
 def test_params_match_the_cuda_struct_field_for_field():
     assert [f[0] for f in sage_sm90._Params._fields_] == _c_struct_fields("Params")
-    assert ctypes.sizeof(sage_sm90._Params) == 120
+    assert ctypes.sizeof(sage_sm90._Params) == 128
 
 
 def test_every_entry_point_the_host_names_is_defined():
@@ -113,11 +115,25 @@ def test_reasons_name_what_is_missing(monkeypatch):
     assert any("int8 SAGE only" in r for r in route.not_supported_reasons(_call(quant=None)))
     assert any("dtype_qk=fp8_e4m3" in r for r in route.not_supported_reasons(_call(quant="fp8_e4m3")))
     assert any("head dim 96" in r for r in route.not_supported_reasons(_call(dim=96)))
+    ring_shard = replace(_call(), return_lse=True, kv_shards=2)
+    assert route.caps.lse and not any("log-sum-exp" in r for r in route.not_supported_reasons(ring_shard))
     monkeypatch.setattr(cuda_jit, "find_compiler", lambda: None)
     assert any("needs NVRTC or nvcc" in r and "pip install nvidia-cuda-nvrtc" in r and "DIFFUSERS_TRTLLM_NVCC" in r
                for r in route.not_supported_reasons(_call()))
     with pytest.raises(NoRouteError, match="sage-sm90: .*needs NVRTC or nvcc"):
         select_route(_call(), "sage-sm90")
+
+
+def test_ring_shards_run_int8_sage_here_where_it_ranks_first(monkeypatch):
+    """A ring KV shard (``return_lse``) of int8 SAGE, with or without skip, on a faked H200 with long keys: this
+    kernel, as on one GPU, whether the call is taken as asked or after the policy."""
+    from test_route_table import fake_environment, make_call
+
+    fake_environment(monkeypatch, "sm90", "yes")
+    for skip in ("none", "skip"):
+        ring_shard = make_call("sm90", "bf16", 128, "self-75600", skip, "int8", "ring2")
+        assert ring_shard.return_lse and ring_shard.kv_shards == 2
+        assert select_route(ring_shard).name == select_route(apply_policy(ring_shard).call).name == "sage-sm90"
 
 
 def test_k_scales_per_thread_are_this_kernels_and_the_references():

@@ -1,7 +1,8 @@
 """The ``sage-sm90`` CUDA kernel on an H100/H200: int8 SAGE with and without skip-softmax against the
 reference (same quantization, same 64 x 128 tiles), over the ragged batches of the ``triton`` route's GPU
-tests; head dims 64 and 128, GQA, fp16, extreme magnitudes and NaN; the kernel built by NVRTC and by nvcc,
-a first call that builds its one variant and says so, and the default's error on keys with a channel mean."""
+tests; head dims 64 and 128, GQA, fp16, extreme magnitudes and NaN; the log-sum-exp, alone and merging two KV
+shards; the kernel built by NVRTC and by nvcc, a first call that builds its one variant and says so, and the
+default's error on keys with a channel mean."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 
 from conftest import rel_l1, requires_cuda
 from diffusers_trtllm.config import QuantConfig
-from test_triton_attn_gpu import (MAGNITUDES, NONFINITE, ROUTES, _inputs, _reference, check_coherent_values,
+from test_triton_attn_gpu import (MAGNITUDES, NONFINITE, ROUTES, _inputs, _reference, _structured, check_coherent_values,
                                   check_extreme_magnitudes, check_nonfinite_propagation, check_tile_counts)
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
@@ -71,6 +72,62 @@ def test_fp16_and_smooth_k(k_block, per_thread):
 @pytest.mark.parametrize("k_block,per_thread", [(16, False), (128, False), (128, True)])
 def test_coherent_values_over_long_keys(k_block, per_thread):
     check_coherent_values(_attention, k_block, per_thread)
+
+
+def _int8(smooth_k: bool) -> QuantConfig:
+    """int8 SAGE with this kernel's K blocks, told to the reference too."""
+    from diffusers_trtllm.kernels.sage_sm90 import K_BLOCK, K_PER_THREAD
+
+    return QuantConfig("int8", smooth_k=smooth_k).with_k_block(K_BLOCK, K_PER_THREAD)
+
+
+@pytest.mark.parametrize("smooth_k", [True, False])
+@pytest.mark.parametrize("skip", [None, 0.02])
+def test_lse_matches_the_reference(skip, smooth_k):
+    """The log-sum-exp ring attention merges by, held as the triton route's is
+    (``test_triton_attn_gpu.py::test_lse_matches_reference``): against the unquantized log-sum-exp, the kernel's
+    error at most 10% above the emulation's own (with smooth_k, K's mean added back to both)."""
+    q, k, v, layout = _inputs(128, kv_heads=4)
+    quant = _int8(smooth_k)
+    factor = None if skip is None else skip * layout.max_seqlen_kv
+    res = _attention(q, k, v, layout, softmax_scale=128**-0.5, skip_factor=factor, quant=quant, collect_stats=True,
+                     return_lse=True)
+    ref = _reference(q, k, v, layout, skip_factor=factor, quant=quant, tile_q=64, tile_kv=128)
+    assert res.lse.shape == (q.shape[0], q.shape[1]) and res.lse.dtype == torch.float32
+    check_tile_counts(res, ref, skip)
+    exact = _reference(q, k, v, layout, skip_factor=factor, tile_q=64, tile_kv=128).lse
+    ours, emulated = (res.lse - exact).abs(), (ref.lse - exact).abs()
+    assert ours.mean() <= 1.1 * emulated.mean() + 1e-4, (ours.mean(), emulated.mean())
+    assert torch.quantile(ours.flatten(), 0.999) <= 1.1 * torch.quantile(emulated.flatten(), 0.999) + 1e-3
+
+
+@pytest.mark.parametrize("smooth_k", [True, False])
+@pytest.mark.parametrize("threshold", [None, 0.02])
+def test_two_kv_shards_merged_by_lse_are_one_call(threshold, smooth_k):
+    """Ring attention on one GPU: one sequence's keys in two shards, each run with its log-sum-exp (lambda the
+    whole sequence's, as ``run_attention(kv_shards=2)`` passes it) and merged as Diffusers merges. Each shard is
+    quantized on its own (V's scales, K's mean), so the merge is held to the unquantized attention: its error
+    at most 10% above one call's, the output's and the log-sum-exp's."""
+    from diffusers_trtllm.bench.ring_skip import merge_by_lse
+    from diffusers_trtllm.layout import PackedLayout
+
+    tokens, shard = 4096, 2048
+    q, k = _structured((tokens,), 4, 128, 0), _structured((tokens,), 4, 128, 1)
+    v = torch.randn(tokens, 4, 128, device="cuda", dtype=torch.bfloat16)
+
+    def run(keys, values, **kw):
+        layout = PackedLayout.dense(1, tokens, keys.shape[0], "cuda")
+        factor = None if threshold is None else threshold * keys.shape[0]
+        return _attention(q, keys, values, layout, softmax_scale=128**-0.5, skip_factor=factor, quant=_int8(smooth_k),
+                          return_lse=True, **kw)
+
+    one = run(k, v)
+    out, lse = merge_by_lse([(res.out, res.lse) for res in (run(k[i:i + shard], v[i:i + shard])
+                                                            for i in range(0, tokens, shard))])
+    exact = _reference(q, k, v, PackedLayout.dense(1, tokens, tokens, "cuda"), skip_factor=None if threshold is None
+                       else threshold * tokens, tile_q=64, tile_kv=128)
+    assert rel_l1(out, exact.out) <= 1.1 * rel_l1(one.out, exact.out) + 1e-3
+    assert (lse - exact.lse).abs().mean() <= 1.1 * (one.lse - exact.lse).abs().mean() + 1e-4
 
 
 def test_zero_skip_factor_skips_nothing():

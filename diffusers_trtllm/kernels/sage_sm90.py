@@ -8,6 +8,7 @@ Semantics are the reference's with ``tile_q = 64``, ``tile_kv = 128`` and ``smoo
 docs/design.md defines it (int8 Q/K with per-block scales, K blocks of ``K_BLOCK`` split per thread as
 ``K_PER_THREAD`` says where the call leaves them to the route, ``smooth_k``, fp8 V per channel less its mean,
 P as ``448 * p`` in fp8), quantized by the ``triton`` route's fused quantizer with V's keys in this kernel's register order.
+Each row's log-sum-exp comes back where a call asks for it (ring attention's KV shards), as the ``triton`` route's.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from ..config import K_BLOCK_SIZES, QuantConfig
 from ..layout import PackedLayout
 from ..routing.registry import AttentionCall, AttentionResult, Capabilities, Route, device_sm, register_route
 from . import cuda_jit
+from .reference import lse_before_smoothing
 from .triton_attn import LOG2E, TritonAttentionOutput, check_heads, tile_output, triton_missing
 
 if TYPE_CHECKING:  # triton_quant imports Triton, which this module leaves to first use
@@ -60,7 +62,7 @@ class _Params(ctypes.Structure):
                 ("n_q_blocks", ctypes.c_int), ("n_k_blocks", ctypes.c_int), ("out_stride_t", ctypes.c_longlong),
                 ("out_stride_h", ctypes.c_longlong), ("heads", ctypes.c_int), ("group", ctypes.c_int),
                 ("q_shift", ctypes.c_int), ("k_shift", ctypes.c_int), ("count_skipped", ctypes.c_int),
-                ("k_per_thread", ctypes.c_int)]
+                ("k_per_thread", ctypes.c_int), ("lse", ctypes.c_void_p)]
 
 
 @dataclass(frozen=True)
@@ -159,8 +161,10 @@ def sage_sm90_attention(
     collect_stats: bool = False,
     defines: tuple[str, ...] = (),
     quantized: TritonSage | None = None,
+    return_lse: bool = False,
 ) -> TritonAttentionOutput:
-    """int8 SAGE attention (with skip-softmax when ``skip_factor`` is given) over packed ``[tokens, heads, dim]``.
+    """int8 SAGE attention (with skip-softmax when ``skip_factor`` is given) over packed ``[tokens, heads, dim]``;
+    ``return_lse`` also returns each row's log-sum-exp (ring attention merges KV shards by it).
 
     ``defines`` builds the kernel with other compile-time knobs (``SAGE_SM90_STAGES=3``,
     ``SAGE_SM90_OVERLAP=0``); ``quantized``, what :func:`sage_sm90_quantize` made of these q, k, v, runs the
@@ -173,6 +177,7 @@ def sage_sm90_attention(
     out = torch.empty(tokens_q, heads, dim, dtype=q.dtype, device=q.device)
     count = collect_stats and skip_factor is not None
     stats = torch.zeros(1, dtype=torch.int32, device=q.device) if count else out
+    lse = torch.empty(tokens_q, heads, dtype=torch.float32, device=q.device) if return_lse else None
     maps = (
         cuda_jit.TensorMap.tiles_2d(st.q.view(torch.uint8).view(tokens_q, heads * dim), dim, _CTA_ROWS),
         cuda_jit.TensorMap.tiles_2d(st.k.view(torch.uint8).view(tokens_kv, kv_heads * dim), dim, BLOCK_N),
@@ -184,11 +189,14 @@ def sage_sm90_attention(
         softmax_scale * LOG2E, float(skip_factor or 0.0), st.q_scale.shape[1], st.k_scale.shape[1],
         out.stride(0), out.stride(1), heads, heads // kv_heads,
         quant.q_block_size.bit_length() - 1, quant.k_block_size.bit_length() - 1, int(count), int(quant.k_per_thread),
+        lse.data_ptr() if lse is not None else None,
     )
     kernel = _kernel(q.device, Variant(dim, q.dtype, quant.k_block_size, skip_factor is not None), tuple(defines))
     grid = (-(-layout.max_seqlen_q // _CTA_ROWS), layout.num_seqs * heads, 1)
     kernel.launch(grid, _THREADS, [*maps, params], torch.cuda.current_stream(q.device))
-    return tile_output(out, stats, layout, heads, BLOCK_M, BLOCK_N, collect_stats, skip_factor)
+    if return_lse and st.k_mean is not None:  # the kernel's is of the logits less q . k_mean (smooth_k)
+        lse = lse_before_smoothing(lse, q, st.k_mean, softmax_scale)
+    return tile_output(out, stats, layout, heads, BLOCK_M, BLOCK_N, collect_stats, skip_factor, lse)
 
 
 class SageSm90Route(Route):
@@ -202,6 +210,7 @@ class SageSm90Route(Route):
         skip_softmax=True,
         sage_dtypes=frozenset({"int8"}),
         k_per_thread=True,
+        lse=True,
     )
 
     def extra_reasons(self, call: AttentionCall) -> list[str]:
@@ -215,8 +224,10 @@ class SageSm90Route(Route):
 
     def run(self, call: AttentionCall) -> AttentionResult:
         res = sage_sm90_attention(call.q, call.k, call.v, call.layout, softmax_scale=call.softmax_scale,
-                                  quant=call.quant, skip_factor=call.skip_factor, collect_stats=call.collect_stats)
-        return AttentionResult(res.out, self.name, res.skipped_tiles, res.total_tiles if call.collect_stats else None)
+                                  quant=call.quant, skip_factor=call.skip_factor, collect_stats=call.collect_stats,
+                                  return_lse=call.return_lse)
+        return AttentionResult(res.out, self.name, res.skipped_tiles, res.total_tiles if call.collect_stats else None,
+                               lse=res.lse)
 
 
 register_route(SageSm90Route())

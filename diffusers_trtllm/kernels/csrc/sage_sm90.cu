@@ -71,6 +71,7 @@ constexpr int BLOCK_N = 128;   // keys per tile: tile_kv
 constexpr int CONSUMERS = 2;
 constexpr int THREADS = 128 * (CONSUMERS + 1);
 constexpr float LOG2_P_SCALE = 8.807354922057604f;  // log2(448): P is stored as 448 * p
+constexpr float LN2 = 0.6931471805599453f;
 constexpr float NEG_INF = __builtin_bit_cast(float, 0xff800000u);  // -inf, with no <cmath> to name it
 
 // The driver's CUtensorMap, opaque: 128 bytes, 64-byte aligned (kernel parameters by value).
@@ -97,6 +98,7 @@ struct Params {
   int k_shift;             // log2(k_block_size)
   int count_skipped;
   int k_per_thread;        // each K block has four scales, key j's being (j % 8) / 2: a quad lane's keys
+  float* lse;              // [tokens_q, heads]: each row's natural log-sum-exp (ring attention); null: not asked
 };
 
 template <bool B>
@@ -780,10 +782,20 @@ __device__ __forceinline__ void consume(Smem<D, STAGES>& sm, const Params& p, in
   }
   if (PINGPONG && consumer == 0) named_sync(my_turn, 256);  // the second consumer's last arrival
 
-  // ---- epilogue: O / l * v_scale + v_mean, rows of this sequence only ----
+  // ---- epilogue: O / l * v_scale + v_mean (and the LSE when asked), rows of this sequence only ----
   l_0 = __shfl_sync(0xffffffff, l_0, lane & ~3);
   l_1 = __shfl_sync(0xffffffff, l_1, lane & ~3);
   const float inv0 = 1.f / (l_0 > 0.f ? l_0 : 1.f), inv1 = 1.f / (l_1 > 0.f ? l_1 : 1.f);
+  // The log-sum-exp of the scaled logits, when asked: the max in log2 units (m * qs) plus log2 of the row sum
+  // less P's 448, in natural log (-inf for a row without keys); one lane of each quad writes its rows.
+  if (p.lse != nullptr && t == 0) {
+    auto row_lse = [](float m, float qs, float l) {
+      return l > 0.f ? (fmaf(m, qs, log2f(l)) - LOG2_P_SCALE) * LN2 : NEG_INF;
+    };
+    float* lse = p.lse + head;
+    if (ok0) lse[(q_start + row0) * p.heads] = row_lse(m_0, qs0, l_0);
+    if (ok1) lse[(q_start + row1) * p.heads] = row_lse(m_1, qs1, l_1);
+  }
   const float* v_scale = p.v_scale + kv_head * D;
   const float* v_mean = p.v_mean + kv_head * D;
   OutT* out = static_cast<OutT*>(p.out) + head * p.out_stride_h;
