@@ -77,11 +77,19 @@ def channel_mean(x: torch.Tensor) -> torch.Tensor:
     return x.mean(dim=0, dtype=torch.float32)
 
 
+#: Keys ``key_mean`` averages at most: softmax is unchanged by any vector taken off K, so an even sample of the
+#: keys serves as well as all of them and spares most of a pass over K (at Wan 480p, 32,760 keys, most of what
+#: smoothing cost: benchmarks/results/sage_sm90_sweep_h200_smooth_480p.md).
+KEY_MEAN_SAMPLE = 4096
+
+
 def key_mean(k: torch.Tensor) -> torch.Tensor:
-    """What ``smooth_k`` takes off K: :func:`channel_mean`, with 0 in a channel whose mean is not finite. The mean
-    spans every sequence of the batch; an inf or NaN key would otherwise spread through it to every key of
-    that channel, the other sequences' too, where dense attention keeps it to the rows that attend to it."""
-    return torch.nan_to_num(channel_mean(k), nan=0.0, posinf=0.0, neginf=0.0)
+    """What ``smooth_k`` takes off K: :func:`channel_mean` of every ``len(k) // KEY_MEAN_SAMPLE``-th key, with 0 in
+    a channel whose mean is not finite. The mean spans every sequence of the batch; an inf or NaN key would
+    otherwise spread through it to every key of that channel, the other sequences' too, where dense attention
+    keeps it to the rows that attend to it."""
+    step = max(1, k.shape[0] // KEY_MEAN_SAMPLE)
+    return torch.nan_to_num(channel_mean(k[::step]), nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def scale_slots(lens: tuple[int, ...], block: int, per_thread: bool = False) -> int:
