@@ -58,9 +58,11 @@ def test_key_order_is_the_mma_fragment_order():
 
 _ROUND_TRIP = """
 import torch
+import triton_interpreter
 from diffusers_trtllm.config import QuantConfig
 from diffusers_trtllm.kernels.triton_quant import sage_quantize_triton
 from diffusers_trtllm.layout import PackedLayout
+triton_interpreter.vectorize_reductions()
 # (V's layout depends on the lengths only; each K block size and smooth_k still run once, Q and K compared too)
 for lens, k_block, smooth_k in [((1,), 1, False), ((37, 70), 4, True), ((16, 90, 5), 16, False), ((16, 90, 5), 1, True),
                                ((130, 70), 128, True)]:
@@ -83,7 +85,8 @@ def test_quantized_v_reads_back_the_same_in_either_key_order():
     """Under Triton's interpreter (set before triton is imported, so in a child process): V^T in the kernel's
     key order holds the same values as in natural order (Q and K unchanged by it), over ragged batches."""
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    path = [str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(path))
     proc = subprocess.run([sys.executable, "-c", _ROUND_TRIP], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
 
