@@ -2,9 +2,11 @@
 
 The interpreter runs ``tl.reduce`` with a combine function of the kernel's own (``max_nan``) one element at a
 time in Python: that loop was most of the interpreter tests' time (a 64 x 64 tile's row maxima are 4096 calls).
-``vectorize_reductions`` folds whole slices along the reduced axis instead: the same combine function, the same
-left-to-right order and the input's dtype after every step, so each output element is what the element loop
-computes. Import this module only with ``TRITON_INTERPRET=1`` set, and vectorize before any kernel runs.
+``vectorize_reductions`` combines the two halves of the reduced axis instead, whole slices at a time, until one
+is left: log2(n) calls of the same combine function, in the tree order a GPU reduces in (``tl.reduce`` asks for
+an associative combine; ``max_nan``'s is exact in any order), the input's dtype kept after every step as the
+element loop keeps it. Import this module only with ``TRITON_INTERPRET=1`` set, and vectorize before any
+kernel runs.
 """
 
 from __future__ import annotations
@@ -19,26 +21,26 @@ from diffusers_trtllm.kernels.triton_quant import max_nan
 
 def vectorize_reductions() -> None:
     ops = interpreter.ReduceOps
-    if not all(hasattr(ops, name) for name in ("generic_reduce", "unravel", "to_tensor")):
+    if not all(hasattr(ops, name) for name in ("generic_reduce", "to_tensor")):
         raise RuntimeError(f"triton {triton.__version__}'s interpreter changed: update tests/triton_interpreter.py")
     elementwise = ops.generic_reduce
 
     def generic_reduce(self, input):
         if self.axis is None:  # all elements at once: the kernels reduce along an axis only
             return elementwise(self, input)
-        slices = [np.moveaxis(x.handle.data, self.axis, 0) for x in input]
-        shape = slices[0].shape[1:]  # () for a vector's: a scalar tensor, as the interpreter returns
+        data = [np.moveaxis(x.handle.data, self.axis, 0) for x in input]
 
-        def step(values):
-            return [self.to_tensor(np.asarray(v).reshape(shape), x.dtype) for v, x in zip(values, input)]
+        def tensors(arrays):
+            return [self.to_tensor(a, x.dtype) for a, x in zip(arrays, input)]
 
-        acc = step(s[0] for s in slices)
-        for i in range(1, slices[0].shape[0]):
-            ret = self.combine_fn.fn(*acc, *step(s[i] for s in slices))
-            acc = step(r.handle.data for r in (ret if isinstance(ret, tuple) else (ret,)))
+        while len(data[0]) > 1:
+            half = len(data[0]) // 2
+            ret = self.combine_fn.fn(*tensors(d[:half] for d in data), *tensors(d[half:2 * half] for d in data))
+            data = [np.concatenate([r.handle.data.astype(d.dtype), d[2 * half:]])
+                    for r, d in zip(ret if isinstance(ret, tuple) else (ret,), data)]
         if self.keep_dims:
-            return [self.to_tensor(np.expand_dims(a.handle.data, self.axis), x.dtype) for a, x in zip(acc, input)]
-        return acc
+            return tensors(np.expand_dims(d[0], self.axis) for d in data)
+        return tensors(np.asarray(d[0]) for d in data)  # a vector's: 0-d, so a scalar tensor
 
     ops.generic_reduce = generic_reduce
 
