@@ -1,4 +1,4 @@
-"""Shared test helpers: the GPU marker and the accuracy metrics (the benchmark's own)."""
+"""Shared test helpers: the GPU marker, the accuracy metrics (the benchmark's own), and the background jobs' start."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import pytest
 import torch
 from diffusers.utils import logging as diffusers_logging
 
+from background_jobs import BackgroundJob
 from diffusers_trtllm.measure import cosine, rel_l1
 
 __all__ = ["requires_cuda", "rel_l1", "cosine"]
@@ -14,3 +15,17 @@ __all__ = ["requires_cuda", "rel_l1", "cosine"]
 diffusers_logging.enable_propagation()
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def pytest_collection_finish(session):
+    """Start the background jobs (``background_jobs``) of the tests selected, so they run beside the others."""
+    if session.config.option.collectonly:
+        return
+    items = [(item.module, item.originalname) for item in session.items if isinstance(item, pytest.Function)]
+    selected, modules = set(items), dict.fromkeys(module for module, _ in items)  # modules in the order they run
+    BackgroundJob.start_in_turn([job for module in modules for job in vars(module).values()
+                                 if isinstance(job, BackgroundJob) and any((module, t) in selected for t in job.tests)])
+
+
+def pytest_sessionfinish(session):
+    BackgroundJob.stop_all()

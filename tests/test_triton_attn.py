@@ -2,8 +2,8 @@
 
 ``TRITON_INTERPRET=1`` must be set before triton is imported, so the kernel checks
 run in one child process (this file run as a script, its reductions vectorized by
-``triton_interpreter``) and report per case as each ends; the parent pytest process
-stays untouched. Tiny ragged shapes with 32 x 32 tiles so
+``triton_interpreter``, started with the session by ``background_jobs``) and report per
+case as each ends; the parent pytest process stays untouched. Tiny ragged shapes with 32 x 32 tiles so
 the skip rule, the masked last tiles and the per-sequence scale blocks all get
 exercised. fp16/fp32 inputs (bf16 dots are wrong under the interpreter); fp8
 runs through the kernels' non-native path (e4m3 rounding done in fp32), as on SM80.
@@ -16,12 +16,13 @@ import json
 import math
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from background_jobs import BackgroundJob
 
 ROOT = Path(__file__).resolve().parents[1]
 LENS_Q = (37, 70)
@@ -315,22 +316,23 @@ def _run_all() -> None:
 
 # ---- the pytest side ---------------------------------------------------------------------------
 
-#: The whole child run's limit: about 60 s on a 2-core machine with the other core busy (5 minutes when the
-#: interpreter looped over reductions element by element).
+#: The cases' child (this file as a script), started with the session (``background_jobs``).
+INTERPRETER = BackgroundJob(
+    lambda workdir: [sys.executable, __file__], ("test_kernel_under_interpreter",), cwd=ROOT,
+    env=dict(os.environ, TRITON_INTERPRET="1",
+             PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])))
+#: The whole child run's limit: it took 35 s on an idle 2-core machine, 55 s with the other core busy (5 minutes
+#: when the interpreter reduced element by element).
 INTERPRETER_TIMEOUT_S = 300
 
 
 @pytest.fixture(scope="module")
 def interpreted():
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    try:
-        proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
-                              timeout=INTERPRETER_TIMEOUT_S, cwd=ROOT)
-        stdout, failure = proc.stdout, None if proc.returncode == 0 else f"exit {proc.returncode}: {proc.stderr[-3000:]}"
-    except subprocess.TimeoutExpired as exc:
-        stdout, failure = (exc.stdout or b"").decode(), f"cut off after {INTERPRETER_TIMEOUT_S} s"
-    results = {r["case"]: r for r in map(json.loads, (line for line in stdout.splitlines() if line.startswith("{")))}
+    run = INTERPRETER.result(INTERPRETER_TIMEOUT_S)
+    failure = (f"cut off {INTERPRETER_TIMEOUT_S} s after it started" if run.returncode is None
+               else f"exit {run.returncode}: {run.stderr[-3000:]}" if run.returncode else None)
+    results = {r["case"]: r for r in map(json.loads, (ln for ln in run.stdout.splitlines() if ln.startswith("{")))}
     return results, failure
 
 
