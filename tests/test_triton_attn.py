@@ -1,8 +1,9 @@
 """The ``triton`` route on the CPU: its kernels under Triton's interpreter against the reference.
 
 ``TRITON_INTERPRET=1`` must be set before triton is imported, so the kernel checks
-run in one child process (this file run as a script) and report per case; the
-parent pytest process stays untouched. Tiny ragged shapes with 32 x 32 tiles so
+run in one child process (this file run as a script, its reductions vectorized by
+``triton_interpreter``, started with the session by ``background_jobs``) and report per
+case as each ends; the parent pytest process stays untouched. Tiny ragged shapes with 32 x 32 tiles so
 the skip rule, the masked last tiles and the per-sequence scale blocks all get
 exercised. fp16/fp32 inputs (bf16 dots are wrong under the interpreter); fp8
 runs through the kernels' non-native path (e4m3 rounding done in fp32), as on SM80.
@@ -15,12 +16,13 @@ import json
 import math
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from background_jobs import BackgroundJob
 
 ROOT = Path(__file__).resolve().parents[1]
 LENS_Q = (37, 70)
@@ -46,6 +48,19 @@ def _structured(lens, heads, dim, gen, locality=3.0):
 
 
 # ---- checks run in the interpreter child --------------------------------------------------------
+
+def _check_max_nan():
+    """``max_nan``, the kernels' one reduction with a combine function of their own (vectorized in this child),
+    is ``torch.amax`` along either axis of a tile and down to a scalar: NaN wins, inf and -inf stay."""
+    from triton_interpreter import max_nan_kernel
+
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(4))
+    x[1, 3], x[2, 5], x[3, 0], x[4] = math.nan, math.inf, -math.inf, -math.inf
+    rows, cols, top = torch.empty(8), torch.empty(16), torch.empty(1)
+    max_nan_kernel[(1,)](x, rows, cols, top, 8, 16)
+    for got, want in ((rows, x.amax(1)), (cols, x.amax(0)), (top, x.amax()[None])):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
 
 def _check_quantize(dtype_qk, q_block, k_block, smooth_k, lens_q=LENS_Q, lens_kv=LENS_KV, mma_key_order=False,
                     k_per_thread=False):
@@ -245,6 +260,7 @@ def _check_properties():
 
 
 CASES = {
+    "max-nan-reduction": (_check_max_nan, ()),
     **{
         f"quantize-{d}-{qb}-{kb}-{'smooth' if sm else 'plain'}": (_check_quantize, (d, qb, kb, sm))
         for d in ("int8", "fp8_e4m3")
@@ -285,34 +301,46 @@ CASES = {
 }
 
 
-def _run_all() -> dict[str, str | None]:
+def _run_all() -> None:
+    """Each case's result as one JSON line when it ends: a run cut short still reports the cases it finished."""
     import traceback
 
-    results = {}
     for name, (fn, args) in CASES.items():
         try:
             fn(*args)
-            results[name] = None
+            error = None
         except Exception:  # noqa: BLE001 - reported to the parent
-            results[name] = traceback.format_exc(limit=3)
-    return results
+            error = traceback.format_exc(limit=3)
+        print(json.dumps({"case": name, "error": error}), flush=True)
 
 
 # ---- the pytest side ---------------------------------------------------------------------------
 
+#: The cases' child (this file as a script), started with the session (``background_jobs``).
+INTERPRETER = BackgroundJob(
+    lambda workdir: [sys.executable, __file__], ("test_kernel_under_interpreter",), cwd=ROOT,
+    env=dict(os.environ, TRITON_INTERPRET="1",
+             PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])))
+#: The whole child run's limit: it took 35 s on an idle 2-core machine, 55 s with the other core busy (5 minutes
+#: when the interpreter reduced element by element).
+INTERPRETER_TIMEOUT_S = 300
+
+
 @pytest.fixture(scope="module")
 def interpreted():
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert proc.returncode == 0 and lines, f"interpreter run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return json.loads(lines[-1])
+    run = INTERPRETER.result(INTERPRETER_TIMEOUT_S)
+    failure = (f"cut off {INTERPRETER_TIMEOUT_S} s after it started" if run.returncode is None
+               else f"exit {run.returncode}: {run.stderr[-3000:]}" if run.returncode else None)
+    results = {r["case"]: r for r in map(json.loads, (ln for ln in run.stdout.splitlines() if ln.startswith("{")))}
+    return results, failure
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_kernel_under_interpreter(interpreted, case):
-    assert interpreted[case] is None, interpreted[case]
+    results, failure = interpreted
+    assert case in results, f"the interpreter run ended before this case ({failure})"
+    assert results[case]["error"] is None, results[case]["error"]
 
 
 def test_route_capabilities_and_reasons(monkeypatch):
@@ -393,5 +421,8 @@ def test_quantizer_compiles_for_the_gpu(sm, dtype_qk, mma_key_order, smooth_k, k
 if __name__ == "__main__":
     if os.environ.get("TRITON_INTERPRET") != "1":
         sys.exit("run with TRITON_INTERPRET=1 (pytest does this for you)")
-    print(json.dumps(_run_all()))
+    import triton_interpreter
+
+    triton_interpreter.vectorize_reductions()
+    _run_all()
 
