@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || bash scripts/setup.sh
-exec .venv/bin/python -m pytest -q tests "$@"
+exec .venv/bin/python -m pytest -q --durations=10 tests "$@"

@@ -81,10 +81,11 @@ def test_quickstart_notebook_executes(monkeypatch):
     notebook = nbformat.read(os.path.join(ROOT, "examples", "quickstart.ipynb"), as_version=4)
     env_path = os.environ.get("PYTHONPATH")
     monkeypatch.setenv("PYTHONPATH", ROOT + (os.pathsep + env_path if env_path else ""))  # the kernel's import path
+    # 17-19 s on 2 cores, 49 s beside the suite's background build and another run: the limits guard a hang.
     start = time.perf_counter()
-    nbclient.NotebookClient(notebook, timeout=60, kernel_name="python3",
+    nbclient.NotebookClient(notebook, timeout=150, kernel_name="python3",
                             resources={"metadata": {"path": ROOT}}).execute()
-    assert time.perf_counter() - start < 60
+    assert time.perf_counter() - start < 150
     outputs = "".join(o.get("text", "") for c in notebook.cells if c.cell_type == "code" for o in c.get("outputs", []))
     assert "max |dense - stock| = 0.0" in outputs
     assert "sparse" in outputs
