@@ -171,10 +171,12 @@ def _check_attention(dtype, dim, kv_heads, dtype_qk, skip):
     assert res.skipped_tiles == ref.skipped_tiles, (res.skipped_tiles, ref.skipped_tiles)
     if skip is not None:
         assert ref.skipped_tiles > 0, "inputs must exercise the skip rule"
-    # SAGE: a P value on an fp8 rounding boundary may round the other way (exp2 here, exp there).
+    # SAGE: a P value on an fp8 rounding boundary may round the other way (exp2 here, exp there), moving an
+    # output by up to one e4m3 step (1/8) of that P times |V|; the mean error must stay at the reference's.
     err = (res.out.float() - ref.out.float()).abs()
     rel = (err.sum() / ref.out.float().abs().sum()).item()
-    max_tol, rel_tol = (1e-4, 1e-5) if dtype == torch.float32 else (4e-3, 1e-3) if quant is None else (0.03, 3e-3)
+    sage_max = float(v.float().abs().max()) / 8
+    max_tol, rel_tol = (1e-4, 1e-5) if dtype == torch.float32 else (4e-3, 1e-3) if quant is None else (sage_max, 3e-3)
     assert err.max() < max_tol and rel < rel_tol, f"max abs error {err.max():.3g}, rel-L1 {rel:.3g}"
 
 

@@ -66,9 +66,12 @@ def per_q_head(x: torch.Tensor, heads: int) -> torch.Tensor:
 
 def lse_before_smoothing(lse: torch.Tensor, q: torch.Tensor, k_mean: torch.Tensor, softmax_scale: float) -> torch.Tensor:
     """The ``[tokens, heads]`` log-sum-exp of the logits before ``smooth_k``: taking K's mean off lowered every
-    logit of a row by ``softmax_scale * q . k_mean``. Softmax does not see it, but ring attention merges KV
-    shards (each with its own mean) by the log-sum-exp, so every route hands back the unsmoothed one."""
-    return lse + softmax_scale * torch.einsum("thd,hd->th", q.float(), per_q_head(k_mean, q.shape[1]))
+    logit of a row by ``softmax_scale * q . k_mean``, ``q`` the queries the logits were made of (under SAGE the
+    dequantized ones, so that each KV shard's correction matches its own logits). Softmax does not see it, but
+    ring attention merges KV shards (each with its own mean) by the log-sum-exp, so every route hands back the
+    unsmoothed one."""
+    k_mean = per_q_head(k_mean, q.shape[1])
+    return lse + softmax_scale * torch.cat([torch.einsum("thd,hd->th", x.float(), k_mean) for x in q.split(8192)])
 
 
 def channel_mean(x: torch.Tensor) -> torch.Tensor:

@@ -195,7 +195,7 @@ def sage_sm90_attention(
     grid = (-(-layout.max_seqlen_q // _CTA_ROWS), layout.num_seqs * heads, 1)
     kernel.launch(grid, _THREADS, [*maps, params], torch.cuda.current_stream(q.device))
     if return_lse and st.k_mean is not None:  # the kernel's is of the logits less q . k_mean (smooth_k)
-        lse = lse_before_smoothing(lse, q, st.k_mean, softmax_scale)
+        lse = lse_before_smoothing(lse, st.dequantized_q(layout, quant.q_block_size), st.k_mean, softmax_scale)
     return tile_output(out, stats, layout, heads, BLOCK_M, BLOCK_N, collect_stats, skip_factor, lse)
 
 

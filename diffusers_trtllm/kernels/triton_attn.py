@@ -281,13 +281,13 @@ def _rows_desc(x: torch.Tensor, block: list[int]):
 class KernelOperands:
     """What the triton and gluon kernels read besides the layout: TMA descriptors of Q, K and V (with
     SAGE: the quantized Q and K and fp8 ``V^T``), SAGE's scales, and their block counts and sizes
-    (placeholders, never read, without SAGE), and K's mean where ``smooth_k`` took it off."""
+    (placeholders, never read, without SAGE), and the quantized inputs themselves (None without SAGE)."""
 
     descs: tuple
     scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # Q's, K's, V's scales and V's mean
     n_blocks: tuple[int, int]
     block_sizes: tuple[int, int]
-    k_mean: torch.Tensor | None = None
+    sage: triton_quant.TritonSage | None = None
 
 
 def kernel_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PackedLayout,
@@ -307,7 +307,7 @@ def kernel_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: P
             (st.q_scale, st.k_scale, st.v_scale, st.v_mean),
             (st.q_scale.shape[1], st.k_scale.shape[1]),
             (quant.q_block_size, quant.k_block_size),
-            st.k_mean,
+            st,
         )
     return KernelOperands((describe(q, [block_m, dim]), describe(k, [block_n, dim]), describe(v, [block_n, dim])),
                           (placeholder,) * 4, (0, 0), (1, 1))
@@ -357,8 +357,9 @@ def triton_attention(
         NATIVE=triton_quant.fp8_native(q.device), COMPILED=not triton_quant.interpreting(), WARP_SPECIALIZE=cfg.warp_specialize,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if return_lse and ops.k_mean is not None:
-        lse = lse_before_smoothing(lse, q, ops.k_mean, softmax_scale)
+    if return_lse and ops.sage is not None and ops.sage.k_mean is not None:
+        lse = lse_before_smoothing(lse, ops.sage.dequantized_q(layout, ops.block_sizes[0]), ops.sage.k_mean,
+                                   softmax_scale)
     return tile_output(out, stats, layout, heads, bm, bn, collect_stats, skip_factor, lse if return_lse else None)
 
 

@@ -41,7 +41,7 @@ import triton.language as tl
 
 from ..config import DEFAULT_K_BLOCK, QuantConfig
 from ..layout import PackedLayout
-from .reference import AMAX_FLOOR, FP8_MAX, channel_mean, key_mean, scale_slots
+from .reference import AMAX_FLOOR, FP8_MAX, block_ids, channel_mean, key_mean, scale_slots
 
 __all__ = ["TritonSage", "sage_quantize_triton", "mma_key_column", "fp8_native", "interpreting", "round_fp8_grid", "vt_start", "max_nan"]
 
@@ -96,6 +96,12 @@ class TritonSage:
     mma_key_order: bool = False
     #: ``[kv_heads, dim]`` float32: K's mean, taken off before quantizing (``smooth_k``; None without it).
     k_mean: torch.Tensor | None = None
+
+    def dequantized_q(self, layout: PackedLayout, q_block_size: int) -> torch.Tensor:
+        """Q as the kernels' logits see it, ``[tokens, heads, dim]`` float32: the quantized values times their
+        scales (the queries ``lse_before_smoothing`` takes)."""
+        ids, _ = block_ids(layout.cu_seqlens_q, layout.q_lens, q_block_size)
+        return self.q.float() * self.q_scale.t()[ids][:, :, None]
 
     def v(self, layout: PackedLayout) -> torch.Tensor:
         """V back in ``[tokens, kv_heads, dim]`` order (for tests and inspection)."""
