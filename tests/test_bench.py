@@ -71,6 +71,22 @@ def test_locality_knob():
         structured_qkv(shape, 1.5)
 
 
+def test_reach_spread_gives_heads_different_reach():
+    """Issue 34's inputs: with ``reach_spread`` the heads' skippable fractions spread apart, the last head (which
+    attends farthest) skipping the fewest tiles; without it they are alike; the default stays the inputs they were."""
+    shape = Shape("reach", 1, 1024, 4, 64, (32, 32))
+
+    def per_head(spread):
+        q, k, _ = structured_qkv(shape, 0.6, dtype=torch.float32, reach_spread=spread)
+        crit = tile_criticals(q[0], k[0], 64**-0.5, 64, 64)
+        return [skipped_fraction(crit[h:h + 1], 0.01) for h in range(shape.heads)]
+
+    spread, alike = per_head(1.5), per_head(0.0)
+    assert spread[-1] == min(spread) and max(spread) - min(spread) > 0.15, spread
+    assert max(alike) - min(alike) < 0.05, alike
+    assert torch.equal(structured_qkv(shape, 0.6)[0], structured_qkv(shape, 0.6, reach_spread=0.0)[0])
+
+
 def test_save_load_and_capture(tmp_path):
     q, k, v = structured_qkv(SHAPES["tiny"], 0.5)
     save_qkv(tmp_path / "a.pt", q, k, v, name="x", layer=3)

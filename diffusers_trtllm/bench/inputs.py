@@ -15,6 +15,10 @@ On top sits i.i.d. Gaussian noise of unit logit variance, as with plain random
 inputs; ``locality=0`` is exactly those. Larger ``locality`` means sharper
 attention and more skippable tiles at a given threshold.
 
+Trained video models' heads also differ in how far they attend: ``reach_spread``
+gives head ``h`` of ``H`` the length scale ``2 * 2**(reach_spread * (2h / (H - 1) - 1))``
+cells (0: every head 2 cells), so some heads have many skippable tiles and others few.
+
 Trained models' keys and values also carry a per-(head, channel) mean shared by
 every token, which random weights lack: ``k_mean`` / ``v_mean`` add one, that many
 times the tensor's own spread. Softmax ignores K's (it shifts a query's logits
@@ -132,9 +136,11 @@ def structured_qkv(
     dtype: torch.dtype = torch.bfloat16,
     k_mean: float = 0.0,
     v_mean: float = 0.0,
+    reach_spread: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Seeded ``[batch, tokens, heads, head_dim]`` Q, K, V with local structure and, where ``k_mean`` /
-    ``v_mean`` ask, a per-channel mean of that many standard deviations of K / V (module docstring)."""
+    ``v_mean`` ask, a per-channel mean of that many standard deviations of K / V, and with heads whose reach
+    differs by ``reach_spread`` octaves either way (module docstring)."""
     if not 0.0 <= locality <= 1.0:
         raise ValueError(f"locality must be in [0, 1]; got {locality!r}.")
     device = torch.device(device)
@@ -151,7 +157,8 @@ def structured_qkv(
         # Random Fourier features: phi(p) . phi(p') ~ exp(-|p - p'|^2 / (2 l^2)), |phi| ~ 1.
         grid = shape.grid if math.prod(shape.grid or (0,)) >= max(shape.tokens, shape.kv_len) else ()
         n_axes = len(grid) or 1
-        freqs = randn(h, d, n_axes) / LENGTH_SCALE
+        octaves = torch.linspace(-1.0, 1.0, h, device=device) * reach_spread
+        freqs = randn(h, d, n_axes) / (LENGTH_SCALE * 2.0**octaves)[:, None, None]
         phase = torch.rand(h, d, generator=gen, device=device) * (2 * math.pi)
         amp = math.sqrt(contrast) * d**0.25  # (amp * phi) . (amp * phi') * d**-0.5 = contrast * kernel
 
