@@ -228,7 +228,7 @@ def test_compile_error_says_which_file_and_why(tmp_path, monkeypatch):
 
 
 def _clear_compiler_caches():
-    for fn in (cuda_jit._find_nvcc, cuda_jit._find_nvrtc):
+    for fn in (cuda_jit._find_nvcc, cuda_jit._find_nvrtc, cuda_jit._named_nvcc):
         fn.cache_clear()
 
 

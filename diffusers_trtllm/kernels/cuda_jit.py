@@ -132,7 +132,8 @@ class Nvrtc:
 
     def cubin(self, source: Path, arch: str, defines: tuple[str, ...]) -> bytes:
         lib = self._lib
-        options = [f"--gpu-architecture=sm_{arch}", "--std=c++17", "--ptxas-options=-v", "--device-as-default-execution-space", *(f"-D{d}" for d in defines)]
+        options = [f"--gpu-architecture=sm_{arch}", "--std=c++17", "--ptxas-options=-v",
+                   "--device-as-default-execution-space", *(f"-D{d}" for d in defines)]
         prog = ctypes.c_void_p()
         self._check(lib.nvrtcCreateProgram(ctypes.byref(prog), source.read_bytes(), source.name.encode(), 0, None, None),
                     "nvrtcCreateProgram")
@@ -216,13 +217,20 @@ def find_compiler() -> Compiler | None:
     else NVRTC; else an installed nvcc; else None."""
     explicit = os.environ.get("DIFFUSERS_TRTLLM_NVCC")
     if explicit:
-        named = shutil.which(explicit)
+        named = _named_nvcc(explicit)
         return _nvcc(named) if named else None
     nvrtc = find_nvrtc()
     if nvrtc:
         return _nvrtc(nvrtc)
     nvcc = find_nvcc()
     return _nvcc(nvcc) if nvcc else None
+
+
+@functools.lru_cache(maxsize=16)
+def _named_nvcc(name: str) -> str | None:
+    """The executable ``$DIFFUSERS_TRTLLM_NVCC`` names (a path, or a name on ``PATH``), remembered: route selection
+    asks on every attention call."""
+    return shutil.which(name)
 
 
 @functools.lru_cache(maxsize=None)
@@ -238,7 +246,7 @@ def _nvrtc(path: str) -> Nvrtc:
 def compiler_missing() -> str | None:
     """Why CUDA C++ kernels cannot be built here, or None."""
     explicit = os.environ.get("DIFFUSERS_TRTLLM_NVCC")
-    if explicit and shutil.which(explicit) is None:
+    if explicit and _named_nvcc(explicit) is None:
         return f"DIFFUSERS_TRTLLM_NVCC={explicit} is not an executable nvcc: point it at one, or unset it to use NVRTC"
     if find_compiler() is None:
         major = _cuda_majors()[0]
