@@ -3,6 +3,8 @@
     python3 benchmarks/bench_sage_sm90.py --shapes wan_14b_480p,flux_1024 --out benchmarks/results/sage_sm90_sweep_h200.json
     DIFFUSERS_TRTLLM_CACHE=.cubin-cache python3 benchmarks/bench_sage_sm90.py --builds default,serial --build-only
         (on any machine with NVRTC or nvcc, no GPU needed: the cubins a GPU session then carries instead of compiling)
+    python3 benchmarks/bench_sage_sm90.py --target-skips 0.1,0.2,0.3,0.4,0.5 --reach-spread 1 --no-triton-skip --out X.json
+        (a skip curve: X.png beside X.json plots speed against the tiles the kernel skipped)
 
 ``--nvcc PATH`` adds rows of the default build compiled by that nvcc instead of NVRTC (the library's compiler
 where no ``$DIFFUSERS_TRTLLM_NVCC`` is set), to compare the two compilers' kernels in one run.
@@ -25,6 +27,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 
@@ -49,7 +52,7 @@ BUILDS = {
     "serial-fp32-poly": ("SAGE_SM90_OVERLAP=0", "SAGE_SM90_HALF_POLY=0"),  # the default until 2026-12-01 night
     "serial": ("SAGE_SM90_OVERLAP=0",),
     "fp32-poly": ("SAGE_SM90_HALF_POLY=0",),
-    "nopingpong": ("SAGE_SM90_PINGPONG=0",),
+    "pingpong": ("SAGE_SM90_PINGPONG=1",),  # the default until 2026-12-03
     "2stages": ("SAGE_SM90_STAGES=2",),
     "mufu-only": ("SAGE_SM90_SOFT_EXP=0",),
     "softexp2": ("SAGE_SM90_SOFT_EXP=2",),
@@ -71,6 +74,12 @@ QUANTS = {
 }
 
 
+#: Skip factors that probe the skip build's costs: 0 (the route runs the kernel without skip: lambda = 0 can skip
+#: nothing), tiny (the vote runs on every tile and skips none: what skip costs when nothing is skipped) and huge
+#: (every tile after the first skipped: what a skipped tile costs).
+SKIP_PROBES = {"+skip0": 0.0, "+skiptiny": 1e-30, "+skipall": 1e30}
+
+
 def _compiled_by(nvcc: str, fn):
     """``fn`` with the kernel built by ``nvcc`` (``$DIFFUSERS_TRTLLM_NVCC``, which the library then prefers)."""
     def run():
@@ -82,7 +91,8 @@ def _compiled_by(nvcc: str, fn):
     return run
 
 
-def run_shape(shape, builds, quants, targets, iters, locality, k_mean, v_mean, nvcc=None, reach_spread=0.0) -> list[dict]:
+def run_shape(shape, builds, quants, targets, iters, locality, k_mean, v_mean, nvcc=None, reach_spread=0.0,
+              with_triton_skip=True) -> list[dict]:
     dev = torch.device("cuda")
     q, k, v = (x[0].contiguous() for x in structured_qkv(shape, locality, device=dev, k_mean=k_mean, v_mean=v_mean,
                                                          reach_spread=reach_spread))
@@ -112,7 +122,7 @@ def run_shape(shape, builds, quants, targets, iters, locality, k_mean, v_mean, n
     # Skip factors at which the reference skips each target fraction of this kernel's tiles (None: unreachable).
     factors = {t: lam * layout.max_seqlen_kv for t in targets if (lam := threshold_for(crit, t)) is not None}
     impls["triton-int8"] = lambda: triton_attention(q, k, v, layout, softmax_scale=scale, quant=quant).out
-    for target, factor in factors.items():
+    for target, factor in factors.items() if with_triton_skip else ():
         impls[f"triton-int8+skip{int(target * 100)}"] = lambda f=factor: triton_attention(
             q, k, v, layout, softmax_scale=scale, quant=quant, skip_factor=f).out
     def quantize_only(qc: QuantConfig) -> None:  # (a row without an attention output)
@@ -121,24 +131,31 @@ def run_shape(shape, builds, quants, targets, iters, locality, k_mean, v_mean, n
     for qname, qc in quants.items():
         tag = "" if qname == "k16" else f"/{qname}"
         for name, defines in builds.items():
-            for label, factor in [("", None), ("+skip0", 0.0), *((f"+skip{int(t * 100)}", f) for t, f in factors.items())]:
+            for label, factor in [("", None), *SKIP_PROBES.items(), *((f"+skip{int(t * 100)}", f) for t, f in factors.items())]:
                 impls[f"sage-sm90[{name}{tag}]{label}"] = lambda d=defines, f=factor, qc=qc: sage_sm90_attention(
                     q, k, v, layout, softmax_scale=scale, quant=qc, skip_factor=f, defines=d).out
+        # Where a whole call's time goes (default build): the quantizer alone, the kernel alone on its output.
+        quantized = sage_sm90_quantize(q, k, v, layout, qc)
+        impls[f"sage-sm90{tag} quantizer only"] = functools.partial(quantize_only, qc)
+        kernel_only = lambda qc=qc, st=quantized: sage_sm90_attention(  # noqa: E731
+            q, k, v, layout, softmax_scale=scale, quant=qc, quantized=st).out
+        impls[f"sage-sm90[default{tag}] kernel only"] = kernel_only
         if nvcc and "default" in builds:
             for label, factor in [("", None), *((f"+skip{int(t * 100)}", f) for t, f in factors.items())]:
                 impls[f"sage-sm90[default{tag}] nvcc{label}"] = _compiled_by(
                     nvcc, lambda f=factor, qc=qc: sage_sm90_attention(q, k, v, layout, softmax_scale=scale, quant=qc,
                                                                       skip_factor=f).out)
-        # Where a whole call's time goes (default build): the quantizer alone, the kernel alone on its output.
-        quantized = sage_sm90_quantize(q, k, v, layout, qc)
-        impls[f"sage-sm90{tag} quantizer only"] = functools.partial(quantize_only, qc)
-        impls[f"sage-sm90[default{tag}] kernel only"] = lambda qc=qc, st=quantized: sage_sm90_attention(
-            q, k, v, layout, softmax_scale=scale, quant=qc, quantized=st).out
+            impls[f"sage-sm90[default{tag}] kernel only: NVRTC | nvcc, alternating"] = Alternating(
+                kernel_only, _compiled_by(nvcc, kernel_only))
     rows, base = [], None
     for name, fn in impls.items():
         try:
             out = fn()
-            t = time_fn(fn, dev, warmup=3, iters=iters, max_seconds=4.0).median_ms
+            if isinstance(fn, Alternating):
+                times = fn.time(dev, iters)
+                t = times[0]
+            else:
+                times, t = None, time_fn(fn, dev, warmup=3, iters=iters, max_seconds=4.0).median_ms
         except Exception as err:  # report and go on: one broken build must not hide the others
             print(f"{shape.name} {name}: FAILED {type(err).__name__}: {err}")
             rows.append(dict(shape=shape.name, impl=name, error=f"{type(err).__name__}: {err}"))
@@ -146,13 +163,49 @@ def run_shape(shape, builds, quants, targets, iters, locality, k_mean, v_mean, n
         base = base or t
         row = dict(shape=shape.name, impl=name, ms=t, vs_cudnn=base / t, tflops=shape.flops() / t / 1e9,
                    host_ms=host_ms(fn) if t < 5.0 else None)
+        if times is not None:
+            row.update(ms_second=times[1], second_vs_first=times[0] / times[1])
         if out is not None:  # (the quantizer's row has no attention output)
             o = out.reshape(q.shape)[:, heads].float()
             row.update(rel_l1=rel_l1(o, ref), cosine=cosine(o, ref))
+        if "+skip" in name and name.startswith("sage-sm90[") and " nvcc" not in name:
+            row["skipped"] = skipped_by_kernel(name, builds, quants, q, k, v, layout, scale, factors)
         rows.append(row)
+        extra = f"  skipped {row['skipped']:.3f}" if "skipped" in row else ""
+        if times is not None:
+            extra += f"  nvcc {times[1]:.3f} ms (NVRTC / nvcc time {times[0] / times[1]:.4f})"
         print(f"{shape.name:14s} {name:34s} {t:8.3f} ms {base / t:6.3f}x  rel-L1 {row.get('rel_l1', float('nan')):.4f}  "
-              f"host {row['host_ms'] or float('nan'):.3f} ms", flush=True)
+              f"host {row['host_ms'] or float('nan'):.3f} ms{extra}", flush=True)
     return rows
+
+
+class Alternating:
+    """Two callables timed in alternating rounds (first, second, first, ...), so that a clock or thermal drift
+    over the run weighs on both alike: each one's time is the median of its rounds' medians."""
+
+    def __init__(self, first, second, rounds: int = 8) -> None:
+        self.first, self.second, self.rounds = first, second, rounds
+
+    def __call__(self):
+        return self.first()
+
+    def time(self, dev: torch.device, iters: int) -> tuple[float, float]:
+        self.second()  # (built and warm before the first round)
+        medians: tuple[list[float], list[float]] = ([], [])
+        for _ in range(self.rounds):
+            for fn, out in zip((self.first, self.second), medians):
+                out.append(time_fn(fn, dev, warmup=1, iters=iters, max_seconds=2.0).median_ms)
+        return statistics.median(medians[0]), statistics.median(medians[1])
+
+
+def skipped_by_kernel(name: str, builds, quants, q, k, v, layout, scale, factors) -> float:
+    """The fraction of tiles the kernel of row ``name`` skipped, by its own counter (one more call)."""
+    build, _, rest = name[len("sage-sm90["):].partition("]")
+    build, _, qname = build.partition("/")
+    factor = SKIP_PROBES[rest] if rest in SKIP_PROBES else {f"+skip{int(t * 100)}": f for t, f in factors.items()}[rest]
+    res = sage_sm90_attention(q, k, v, layout, softmax_scale=scale, quant=quants[qname or "k16"],
+                              skip_factor=factor, defines=builds[build], collect_stats=True)
+    return res.skipped_tiles / res.total_tiles
 
 
 def host_ms(fn, calls: int = 20) -> float:
@@ -181,16 +234,20 @@ def markdown(result: dict) -> str:
              f"K mean {env.get('k_mean', 0.0)}, V mean {env.get('v_mean', 0.0)}, reach spread {env.get('reach_spread', 0.0)}; "
              f"`{result['command']}`", "",
              "`host ms`: CPU time to enqueue one call (measured on calls under 5 ms); a call cannot run faster.", "",
-             "| shape | implementation | ms | vs cuDNN | rel-L1 | cosine | host ms |", "|---|---|---:|---:|---:|---:|---:|"]
+             "`skipped`: the fraction of 64 x 128 tiles the kernel skipped, by its own counter. A row timed "
+             "`alternating` gives the first compiler's time, and the second's in `ms` after the `|`.", "",
+             "| shape | implementation | ms | vs cuDNN | skipped | rel-L1 | cosine | host ms |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
 
     def cell(value, fmt):
         return "" if value is None else format(value, fmt)
 
     for r in result["rows"]:
         if "error" in r:
-            lines.append(f"| {r['shape']} | {r['impl']} | failed: {r['error']} | | | | |")
+            lines.append(f"| {r['shape']} | {r['impl']} | failed: {r['error']} | | | | | |")
         else:
-            lines.append(f"| {r['shape']} | {r['impl']} | {r['ms']:.3f} | {r['vs_cudnn']:.3f}x | "
+            ms = f"{r['ms']:.3f}" + (f" \\| {r['ms_second']:.3f}" if "ms_second" in r else "")
+            lines.append(f"| {r['shape']} | {r['impl']} | {ms} | {r['vs_cudnn']:.3f}x | {cell(r.get('skipped'), '.3f')} | "
                          f"{cell(r.get('rel_l1'), '.4f')} | {cell(r.get('cosine'), '.5f')} | "
                          f"{cell(r.get('host_ms'), '.3f')} |")
     return "\n".join(lines) + "\n"
@@ -220,7 +277,13 @@ def main() -> None:
     p.add_argument("--nvcc", default=None, help="also time the default build compiled by this nvcc")
     p.add_argument("--reach-spread", type=float, default=0.0,
                    help="heads' reach differing by this many octaves either way (trained video models' heads do)")
+    p.add_argument("--no-triton-skip", action="store_true", help="leave out the triton route's skip rows (a skip curve's "
+                   "many thresholds)")
+    p.add_argument("--replot", metavar="JSON", help="only redraw the skip curve of a results file (no GPU needed)")
     args = p.parse_args()
+    if args.replot:
+        print(plot_skip_curve(args.replot))
+        return
     unknown = [b for b in args.builds.split(",") if b and b not in BUILDS]
     if unknown:
         p.error(f"unknown builds {unknown}; known: {', '.join(BUILDS)}")
@@ -240,12 +303,63 @@ def main() -> None:
     rows = []
     for shape in parse_shapes(args.shapes):
         rows += run_shape(shape, builds, quants, targets, args.iters, args.locality, args.k_mean, args.v_mean,
-                          args.nvcc, args.reach_spread)
+                          args.nvcc, args.reach_spread, not args.no_triton_skip)
         torch.cuda.empty_cache()
     if args.out:
         write_result(args.out, "bench_sage_sm90.py",
                      environment(locality=args.locality, k_mean=args.k_mean, v_mean=args.v_mean,
                                  reach_spread=args.reach_spread), rows, markdown)
+        plot_skip_curve(args.out)
+
+
+def plot_skip_curve(result_json: str) -> str | None:
+    """The kernel's speed over cuDNN against the fraction of tiles it skipped, per shape and build, beside
+    the same build with skip off, SageAttention2 and the ideal (a skipped tile costing nothing): a PNG beside
+    the JSON. None (nothing written) without skip rows or matplotlib."""
+    with open(result_json) as f:
+        result = json.load(f)
+    rows = [r for r in result["rows"] if "error" not in r]
+    curves: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    for r in rows:
+        # (+skip0 runs the kernel without skip; +skiptiny is the curve's point at nothing skipped)
+        if "skipped" in r and not r["impl"].endswith(("+skipall", "+skip0")):
+            curves.setdefault((r["shape"], r["impl"].partition("+skip")[0]), []).append((r["skipped"], r["vs_cudnn"]))
+    if not curves:
+        return None
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    speed = {(r["shape"], r["impl"]): r["vs_cudnn"] for r in rows}
+    shapes = sorted({shape for shape, _ in curves})
+    fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 4.5), squeeze=False)
+    for ax, shape in zip(axes[0], shapes):
+        for (s, impl), pts in sorted(curves.items()):
+            if s != shape:
+                continue
+            pts.sort()
+            line, = ax.plot(*zip(*pts), "o-", markersize=4, label=f"{impl} + skip")
+            if (off := speed.get((shape, impl))) is not None:
+                ax.axhline(off, color=line.get_color(), ls=":", lw=1, label=f"{impl}, skip off")
+                xs = [i / 100 for i in range(0, 61)]
+                ax.plot(xs, [off / (1 - x) for x in xs], color=line.get_color(), ls="--", lw=0.8,
+                        label=f"{impl}: ideal (skipped tiles free)")
+        if (sa := speed.get((shape, "sageattn"))) is not None:
+            ax.axhline(sa, color="k", ls="-.", lw=1, label="SageAttention2")
+        ax.set_title(f"{shape}, reach spread {result['environment'].get('reach_spread', 0.0)}")
+        ax.set_xlabel("tiles skipped (the kernel's counter)")
+        ax.set_ylabel("speed over cuDNN SDPA (same run)")
+        ax.set_xlim(0, 0.6)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    path = os.path.splitext(result_json)[0] + ".png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def environment(**extra) -> dict:

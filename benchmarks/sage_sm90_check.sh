@@ -7,7 +7,7 @@
 # forwards with nvcc hidden: no FlashInfer JIT), `sweep` (K blocks of 16 and 128,
 # split per thread or not, beside cuDNN and SageAttention2), `sweep-vmean` (the same on V with a per-channel mean), `quantizer` (the
 # quantizer's launch settings), `probe` (the kernels' error on a model's activations), `ncu` (what bounds the
-# default build) and `e2e` (Wan2.1-14B forwards).
+# default build), `e2e` (Wan2.1-14B forwards), `skip-curve`, `ncu-skip` and `e2e-skip` (issue 34: what skipping tiles saves).
 # Results under $OUT (`e2e` needs FlashInfer's fa3 modules: source benchmarks/gpu_env.sh first, .jit carried).
 # Usage (carry .whl and .cubin-cache): bash benchmarks/sage_sm90_check.sh build tests sweep
 set -uo pipefail
@@ -67,6 +67,27 @@ print(len(build_kernels([v for v in VARIANTS if v.out_dtype == torch.bfloat16], 
       --section ComputeWorkloadAnalysis --section WarpStateStats --section InstructionStats --section SchedulerStats \
       python3 benchmarks/profile_sage_sm90.py --shape wan_1.3b_480p --k-block 128 > "$out/ncu_sage_sm90.txt" 2>&1
     tail -40 "$out/ncu_sage_sm90.txt" ;;
+  e2e-skip)  # issue 34: Wan2.1-14B 480p and 720p forwards, structured weights: int8 SAGE with skip-softmax at a calibrated
+             # target_sparsity=0.5, beside int8 SAGE without skip and stock Diffusers on SageAttention2 (nvcc hidden,
+             # as from a plain pip install: dense calls on the stock SDPA call, our kernels built by NVRTC)
+    timeout 560 "${no_toolkit[@]}" python3 -m diffusers_trtllm.bench e2e --models "${E2E_MODELS:-wan2.1-t2v-14b,wan2.1-t2v-14b-720p}" \
+      --weights structured --configs stock,sage-int8,sage-int8+skip-calibrated,stock-sage2 --warmup 0 --iters 2 \
+      --time-limit 250 --out "$out" --name "${E2E_NAME:-e2e_h200_sage_skip}" --no-progress 2>&1 | grep -v "^\s*$" | tail -30 ;;
+  skip-curve)  # issue 34: speed and the kernel's skipped fraction from nothing skipped to half, on inputs whose heads'
+               # reach differs (REACH octaves, default 1) and on the plain structured ones, beside SageAttention2
+    for reach in ${REACH:-1 0}; do
+      timeout 280 python3 benchmarks/bench_sage_sm90.py --shapes "${SHAPES:-wan_14b_480p,wan_14b_720p}" \
+        --builds "${BUILDS:-default}" --quants k128t-smooth --target-skips 0.1,0.2,0.3,0.4,0.5 --reach-spread "$reach" \
+        --iters 10 --no-triton-skip ${NVCC_ROWS:+--nvcc "$nvcc_path"} --out "$out/sage_sm90_skip_curve_reach$reach.json"
+    done ;;
+  ncu-skip)  # issue 34: one wan_14b_480p call (reach spread 1) with nothing skipped and with 40% skipped
+    for target in 0 0.4; do
+      timeout 140 ncu --clock-control none -k regex:sage_sm90_d --launch-skip 1 -c 1 --page raw --section SpeedOfLight \
+        --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section WarpStateStats \
+        --section InstructionStats --section SchedulerStats python3 benchmarks/profile_sage_sm90.py --shape wan_14b_480p \
+        --k-block 128 --reach-spread 1 --target-skip "$target" > "$out/ncu_sage_sm90_skip$target.txt" 2>&1
+      grep -E "skipped|gpu__time_duration.sum|sm__cycles_elapsed.avg |smsp__inst_executed.sum |lts__t_bytes.sum.per_second|dram__bytes.sum.per_second|sm__pipe_tensor_op_gmma_cycles_active.avg.pct|smsp__average_warp_latency_issue_stalled|l1tex__m_xbar2l1tex_read_bytes.sum.per_second|lts__t_sectors_srcunit_tex_op_read.sum " "$out/ncu_sage_sm90_skip$target.txt" | head -40
+    done ;;
   *) echo "unknown section $section" ;;
   esac
 done

@@ -20,7 +20,7 @@ from test_triton_attn_gpu import (MAGNITUDES, NONFINITE, ROUTES, _inputs, _refer
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
 
-BUILDS = {"default": (), "no_pingpong": ("SAGE_SM90_PINGPONG=0",), "two_stages": ("SAGE_SM90_STAGES=2",),
+BUILDS = {"default": (), "pingpong": ("SAGE_SM90_PINGPONG=1",), "two_stages": ("SAGE_SM90_STAGES=2",),
           "serial": ("SAGE_SM90_OVERLAP=0",), "fp32_poly": ("SAGE_SM90_HALF_POLY=0",),
           "serial_fp32_poly": ("SAGE_SM90_OVERLAP=0", "SAGE_SM90_HALF_POLY=0")}
 

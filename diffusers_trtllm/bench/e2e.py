@@ -111,6 +111,7 @@ SETTINGS: dict[str, ProcessorSetting] = {
         ProcessorSetting("skip-always", skip=True, policy="always"),
         ProcessorSetting("skip-calibrated", skip=True, target_sparsity=0.5),
         ProcessorSetting("sage-int8+skip", quant="int8", skip=True),
+        ProcessorSetting("sage-int8+skip-calibrated", quant="int8", skip=True, target_sparsity=0.5),
         ProcessorSetting("sage-fp8+skip", quant="fp8_e4m3", skip=True),
     )
 }

@@ -191,7 +191,8 @@ def sage_sm90_attention(
         quant.q_block_size.bit_length() - 1, quant.k_block_size.bit_length() - 1, int(count), int(quant.k_per_thread),
         lse.data_ptr() if lse is not None else None,
     )
-    kernel = _kernel(q.device, Variant(dim, q.dtype, quant.k_block_size, skip_factor is not None), tuple(defines))
+    # A skip factor of 0 can skip nothing (lambda = 0): the kernel without the vote gives the same output, faster.
+    kernel = _kernel(q.device, Variant(dim, q.dtype, quant.k_block_size, bool(skip_factor)), tuple(defines))
     grid = (-(-layout.max_seqlen_q // _CTA_ROWS), layout.num_seqs * heads, 1)
     kernel.launch(grid, _THREADS, [*maps, params], torch.cuda.current_stream(q.device))
     if return_lse and st.k_mean is not None:  # the kernel's is of the logits less q . k_mean (smooth_k)

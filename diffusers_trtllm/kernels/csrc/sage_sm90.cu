@@ -8,9 +8,10 @@
 // Structure (FA3-style warp specialization): one CTA serves 128 query rows of one (sequence, head) with
 // three warpgroups. Warpgroup 0 is the producer: one thread streams K and V^T tiles through TMA into a
 // ring of shared-memory stages (mbarriers "full" and "empty" per stage) and one warp stages each key's
-// K scale beside them. Warpgroups 1 and 2 are the consumers, 64 query rows each; they take turns issuing
-// their tensor-core work (PINGPONG) so that one's softmax overlaps the other's matrix products, and each
-// issues P.V of tile n together with Q.K^T of tile n + 1.
+// K scale beside them. Warpgroups 1 and 2 are the consumers, 64 query rows each, each issuing its
+// tensor-core work when ready (SAGE_SM90_PINGPONG=1 makes them take turns, FA3's ping-pong: 1-2% slower on
+// the H200 since 2026-12-03, docs/design.md "What skip costs"), and each issues P.V of tile n together with
+// Q.K^T of tile n + 1.
 //
 // Per KV tile a consumer: S = Q K^T (wgmma int8 -> int32); the row max over integers within each group of
 // scores sharing a K scale, scaled once per group; the skip vote (one warpgroup-wide OR); p = 448 * 2^x
@@ -40,8 +41,8 @@
 #ifndef SAGE_SM90_STAGES
 #define SAGE_SM90_STAGES 4
 #endif
-#ifndef SAGE_SM90_PINGPONG
-#define SAGE_SM90_PINGPONG 1
+#ifndef SAGE_SM90_PINGPONG  // the consumers take turns issuing their products (1; 0: each issues when ready)
+#define SAGE_SM90_PINGPONG 0
 #endif
 #ifndef SAGE_SM90_HALF_POLY  // the FMA-pipe exponentials two at a time in half precision (exp2_e4m3x2)
 #define SAGE_SM90_HALF_POLY 1
@@ -710,9 +711,10 @@ __device__ __forceinline__ void consume(Smem<D, STAGES>& sm, const Params& p, in
       if (MORE) mbar_wait(&sm.full_k[(n + 1) % STAGES], ((n + 1) / STAGES) & 1);
       mbar_wait(&sm.full_v[s], (n / STAGES) & 1);  // a skipped tile's V must land too before its stage is reused
       if (PINGPONG) named_sync(my_turn, 256);
-      // A skipped tile still issues the row sums' small products (their result is not used), so that every
-      // step after the first starts with the same two groups in flight: ptxas keeps the products
-      // asynchronous only when the groups a wait retires are the same on every path. And each way of the
+      // A skipped tile still commits a second group, empty (its row sums' products, issued until 2026-12-03,
+      // cost it 4% of its time), so that every step after the first starts with the same two groups in
+      // flight: ptxas keeps the products asynchronous only when the groups a wait retires are the same on
+      // every path. And each way of the
       // branch issues whole commit groups: a product under a branch inside a group, ptxas closes in a group
       // of its own, which the next step's wait for Q.K^T then retires, so that P.V never ran beside the
       // softmax (restoring that measured the same speed: docs/design.md, "What skip costs").
@@ -723,9 +725,11 @@ __device__ __forceinline__ void consume(Smem<D, STAGES>& sm, const Params& p, in
           wgmma_commit();
         }
         wgmma_fence();
-        if constexpr (decltype(keep_tag)::value) issue_pv<D>(o, pv, smem_desc(smem_addr(sm.v[s]), 128));
-        issue_row_sums(sums, pv, smem_desc(smem_addr(sm.v[s] + D * BLOCK_N), 128));
-        wgmma_commit();
+        if constexpr (decltype(keep_tag)::value) {
+          issue_pv<D>(o, pv, smem_desc(smem_addr(sm.v[s]), 128));
+          issue_row_sums(sums, pv, smem_desc(smem_addr(sm.v[s] + D * BLOCK_N), 128));
+        }
+        wgmma_commit();  // a skipped tile's group is empty
       };
       if (keep) issue(BoolConstant<true>{}); else issue(BoolConstant<false>{});
       if (PINGPONG) named_arrive(their_turn, 256);
