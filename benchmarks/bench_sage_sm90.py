@@ -121,19 +121,25 @@ def run_shape(shape, builds, quants, targets, iters, locality, k_mean, v_mean, n
         print("sageattn unavailable:", err)
     # Skip factors at which the reference skips each target fraction of this kernel's tiles (None: unreachable).
     factors = {t: lam * layout.max_seqlen_kv for t in targets if (lam := threshold_for(crit, t)) is not None}
+    at_targets = [(f"+skip{int(t * 100)}", f) for t, f in factors.items()]
     impls["triton-int8"] = lambda: triton_attention(q, k, v, layout, softmax_scale=scale, quant=quant).out
-    for target, factor in factors.items() if with_triton_skip else ():
-        impls[f"triton-int8+skip{int(target * 100)}"] = lambda f=factor: triton_attention(
+    for label, factor in at_targets if with_triton_skip else ():
+        impls[f"triton-int8{label}"] = lambda f=factor: triton_attention(
             q, k, v, layout, softmax_scale=scale, quant=quant, skip_factor=f).out
     def quantize_only(qc: QuantConfig) -> None:  # (a row without an attention output)
         sage_sm90_quantize(q, k, v, layout, qc)
 
+    counters = {}  # a skip row's call with the kernel's skipped-tile counter on (one more call, not timed)
     for qname, qc in quants.items():
         tag = "" if qname == "k16" else f"/{qname}"
         for name, defines in builds.items():
-            for label, factor in [("", None), *SKIP_PROBES.items(), *((f"+skip{int(t * 100)}", f) for t, f in factors.items())]:
-                impls[f"sage-sm90[{name}{tag}]{label}"] = lambda d=defines, f=factor, qc=qc: sage_sm90_attention(
-                    q, k, v, layout, softmax_scale=scale, quant=qc, skip_factor=f, defines=d).out
+            for label, factor in [("", None), *SKIP_PROBES.items(), *at_targets]:
+                call = functools.partial(sage_sm90_attention, q, k, v, layout, softmax_scale=scale, quant=qc,
+                                         skip_factor=factor, defines=defines)
+                impl = f"sage-sm90[{name}{tag}]{label}"
+                impls[impl] = lambda call=call: call().out
+                if factor is not None:
+                    counters[impl] = functools.partial(call, collect_stats=True)
         # Where a whole call's time goes (default build): the quantizer alone, the kernel alone on its output.
         quantized = sage_sm90_quantize(q, k, v, layout, qc)
         impls[f"sage-sm90{tag} quantizer only"] = functools.partial(quantize_only, qc)
@@ -141,7 +147,7 @@ def run_shape(shape, builds, quants, targets, iters, locality, k_mean, v_mean, n
             q, k, v, layout, softmax_scale=scale, quant=qc, quantized=st).out
         impls[f"sage-sm90[default{tag}] kernel only"] = kernel_only
         if nvcc and "default" in builds:
-            for label, factor in [("", None), *((f"+skip{int(t * 100)}", f) for t, f in factors.items())]:
+            for label, factor in [("", None), *at_targets]:
                 impls[f"sage-sm90[default{tag}] nvcc{label}"] = _compiled_by(
                     nvcc, lambda f=factor, qc=qc: sage_sm90_attention(q, k, v, layout, softmax_scale=scale, quant=qc,
                                                                       skip_factor=f).out)
@@ -168,8 +174,9 @@ def run_shape(shape, builds, quants, targets, iters, locality, k_mean, v_mean, n
         if out is not None:  # (the quantizer's row has no attention output)
             o = out.reshape(q.shape)[:, heads].float()
             row.update(rel_l1=rel_l1(o, ref), cosine=cosine(o, ref))
-        if "+skip" in name and name.startswith("sage-sm90[") and " nvcc" not in name:
-            row["skipped"] = skipped_by_kernel(name, builds, quants, q, k, v, layout, scale, factors)
+        if name in counters:
+            res = counters[name]()
+            row["skipped"] = res.skipped_tiles / res.total_tiles
         rows.append(row)
         extra = f"  skipped {row['skipped']:.3f}" if "skipped" in row else ""
         if times is not None:
@@ -196,16 +203,6 @@ class Alternating:
             for fn, out in zip((self.first, self.second), medians):
                 out.append(time_fn(fn, dev, warmup=1, iters=iters, max_seconds=2.0).median_ms)
         return statistics.median(medians[0]), statistics.median(medians[1])
-
-
-def skipped_by_kernel(name: str, builds, quants, q, k, v, layout, scale, factors) -> float:
-    """The fraction of tiles the kernel of row ``name`` skipped, by its own counter (one more call)."""
-    build, _, rest = name[len("sage-sm90["):].partition("]")
-    build, _, qname = build.partition("/")
-    factor = SKIP_PROBES[rest] if rest in SKIP_PROBES else {f"+skip{int(t * 100)}": f for t, f in factors.items()}[rest]
-    res = sage_sm90_attention(q, k, v, layout, softmax_scale=scale, quant=quants[qname or "k16"],
-                              skip_factor=factor, defines=builds[build], collect_stats=True)
-    return res.skipped_tiles / res.total_tiles
 
 
 def host_ms(fn, calls: int = 20) -> float:

@@ -11,6 +11,7 @@ import argparse
 
 import torch
 
+from bench_sage_sm90 import SKIP_PROBES
 from diffusers_trtllm.bench.inputs import SHAPES, structured_qkv
 from diffusers_trtllm.bench.suite import heads_subset
 from diffusers_trtllm.config import QuantConfig
@@ -34,8 +35,8 @@ def main() -> None:
     layout = PackedLayout.dense(1, q.shape[0], k.shape[0], q.device)
     scale = shape.head_dim**-0.5
     skip = args.skip
-    if args.target_skip == 0:
-        skip = 0.0  # the skip build, nothing skipped
+    if args.target_skip == 0:  # the skip build voting on every tile and skipping none (a factor of 0 would run
+        skip = SKIP_PROBES["+skiptiny"]  # the kernel without skip)
     elif args.target_skip is not None:
         heads = heads_subset(shape.heads, 4)
         skip = threshold_for(tile_criticals(q[:, heads], k[:, heads], scale, BLOCK_M, BLOCK_N), args.target_skip)
