@@ -58,6 +58,8 @@ BUILDS = {
     "softexp2": ("SAGE_SM90_SOFT_EXP=2",),
     "softexp6": ("SAGE_SM90_SOFT_EXP=6",),
     "softexp8": ("SAGE_SM90_SOFT_EXP=8",),
+    "5stages": ("SAGE_SM90_STAGES=5",),
+    "6stages": ("SAGE_SM90_STAGES=6",),
 }
 
 
@@ -230,6 +232,9 @@ def markdown(result: dict) -> str:
              f"SageAttention {env.get('sageattention', 'not recorded')}, input locality {env.get('locality', 0.5)}, "
              f"K mean {env.get('k_mean', 0.0)}, V mean {env.get('v_mean', 0.0)}, reach spread {env.get('reach_spread', 0.0)}; "
              f"`{result['command']}`", "",
+             *([f"Builds (`-D` defines of csrc/sage_sm90.cu): "
+                + "; ".join(f"`{b}`: {' '.join(d) or '(none)'}" for b, d in env["builds"].items()), ""]
+               if env.get("builds") else []),
              "`host ms`: CPU time to enqueue one call (measured on calls under 5 ms); a call cannot run faster.", "",
              "`skipped`: the fraction of 64 x 128 tiles the kernel skipped, by its own counter. A row timed "
              "`alternating` gives the first compiler's time, and the second's in `ms` after the `|`.", "",
@@ -305,7 +310,8 @@ def main() -> None:
     if args.out:
         write_result(args.out, "bench_sage_sm90.py",
                      environment(locality=args.locality, k_mean=args.k_mean, v_mean=args.v_mean,
-                                 reach_spread=args.reach_spread), rows, markdown)
+                                 reach_spread=args.reach_spread, builds={b: list(d) for b, d in builds.items()}),
+                     rows, markdown)
         plot_skip_curve(args.out)
 
 

@@ -3,7 +3,7 @@
 // What it computes is docs/design.md's "Semantics every route shares" with tiles of 64 query rows x 128
 // keys: int8 Q and K with per-block scales (SAGE), fp8 e4m3 P (scaled by 448) and V (per-channel scales),
 // the skip-softmax tile rule, ragged batches through cu_seqlens, GQA. The host side is
-// kernels/sage_sm90.py; it compiles this file with nvcc at first use (kernels/cuda_jit.py).
+// kernels/sage_sm90.py; it compiles this file with NVRTC (nvcc where named) at first use (kernels/cuda_jit.py).
 //
 // Structure (FA3-style warp specialization): one CTA serves 128 query rows of one (sequence, head) with
 // three warpgroups. Warpgroup 0 is the producer: one thread streams K and V^T tiles through TMA into a
@@ -281,6 +281,15 @@ __device__ __forceinline__ uint64_t smem_desc(uint32_t addr, int row_bytes) {
          (static_cast<uint64_t>((8 * row_bytes) >> 4) << 32) | (swizzle << 62);
 }
 
+// A descriptor `units` 16-byte steps further on: the start address is the low 14 bits, and shared memory (under
+// 2^18 bytes) never carries out of them, so one 32-bit add on the low word does where a 64-bit add takes two.
+__device__ __forceinline__ uint64_t desc_plus(uint64_t desc, uint32_t units) {
+  uint64_t d;
+  asm("{\n.reg .b32 lo, hi;\nmov.b64 {lo, hi}, %1;\nadd.u32 lo, lo, %2;\nmov.b64 %0, {lo, hi};\n}\n"
+      : "=l"(d) : "l"(desc), "r"(units));
+  return d;
+}
+
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 // Wait until at most N committed groups of this warpgroup's products are still running.
@@ -406,21 +415,23 @@ template <int D>
 __device__ __forceinline__ void issue_qk(int32_t (&acc)[64], uint64_t desc_q, uint64_t desc_k) {
   wgmma_s8_m64n128k32<false>(acc, desc_q, desc_k);
 #pragma unroll
-  for (int kk = 1; kk < D / 32; ++kk) wgmma_s8_m64n128k32<true>(acc, desc_q + 2 * kk, desc_k + 2 * kk);
+  for (int kk = 1; kk < D / 32; ++kk) {
+    wgmma_s8_m64n128k32<true>(acc, desc_plus(desc_q, 2 * kk), desc_plus(desc_k, 2 * kk));
+  }
 }
 
 // O += P V for one KV tile: 128 keys in four k32 products.
 template <int D>
 __device__ __forceinline__ void issue_pv(float (&o)[D / 2], const uint32_t (&pa)[4][4], uint64_t desc_v) {
 #pragma unroll
-  for (int kk = 0; kk < 4; ++kk) wgmma_pv<D>(o, pa[kk], desc_v + 2 * kk);
+  for (int kk = 0; kk < 4; ++kk) wgmma_pv<D>(o, pa[kk], desc_plus(desc_v, 2 * kk));
 }
 
 // The tile's row sums of P (fresh), by four k32 products with the ones row.
 __device__ __forceinline__ void issue_row_sums(float (&sums)[4], const uint32_t (&pa)[4][4], uint64_t desc_ones) {
   wgmma_e4m3_m64n8k32<false>(sums, pa[0], desc_ones);
 #pragma unroll
-  for (int kk = 1; kk < 4; ++kk) wgmma_e4m3_m64n8k32<true>(sums, pa[kk], desc_ones + 2 * kk);
+  for (int kk = 1; kk < 4; ++kk) wgmma_e4m3_m64n8k32<true>(sums, pa[kk], desc_plus(desc_ones, 2 * kk));
 }
 
 // ---- shared memory ------------------------------------------------------------------------------------
@@ -514,17 +525,21 @@ __device__ __forceinline__ bool tile_softmax(const int32_t (&acc)[64], uint32_t 
     }
   }
   float mx0 = tree_max(gm[0]), mx1 = tree_max(gm[1]);
+  // Skip when exp(local max - running max) < lambda on every row of the tile. A row is kept when any of its
+  // scores reaches the bound, so each thread votes on its own part of its rows: the same OR, with the quad's
+  // shuffles below off the vote's path (a skipped tile 2-4% faster: docs/design.md, "What a skipped tile
+  // costs, continued").
+  const float e0 = (mx0 - m_0) * qs0, e1 = (mx1 - m_1) * qs1;
+  const bool want = (ok0 && !(e0 < log2_lam)) || (ok1 && !(e1 < log2_lam));
   // A row's 128 keys are spread over the 4 lanes t of its quad.
   mx0 = max_nan(mx0, __shfl_xor_sync(0xffffffff, mx0, 1));
   mx0 = max_nan(mx0, __shfl_xor_sync(0xffffffff, mx0, 2));
   mx1 = max_nan(mx1, __shfl_xor_sync(0xffffffff, mx1, 1));
   mx1 = max_nan(mx1, __shfl_xor_sync(0xffffffff, mx1, 2));
-  if (SKIP && vote) {  // skip when exp(local max - running max) < lambda on every row of the tile
-    const float e0 = (mx0 - m_0) * qs0, e1 = (mx1 - m_1) * qs1;
+  if (SKIP && vote) {
     // The warpgroup's OR, then a warp vote of it: the same value, but one the compiler can see is uniform
     // across the warp, so the tensor-core instructions under it are not serialized.
-    const bool keep = __any_sync(0xffffffff,
-                                 warpgroup_any(vote_barrier, (ok0 && !(e0 < log2_lam)) || (ok1 && !(e1 < log2_lam))));
+    const bool keep = __any_sync(0xffffffff, warpgroup_any(vote_barrier, want));
     if (!keep) return false;
   }
   const float mn0 = max_nan(m_0, mx0), mn1 = max_nan(m_1, mx1);
@@ -620,7 +635,15 @@ __device__ __forceinline__ void consume(Smem<D, STAGES>& sm, const Params& p, in
     named_sync(5, 256);
   }
 
-  const uint64_t desc_q = smem_desc(smem_addr(sm.q + consumer * BLOCK_M * D), D);
+  // Descriptors: this consumer's Q, and each stage's K, V^T and the ones row below V^T, made once and moved on
+  // by 32-bit adds. Made anew for every product from generic pointers, their 64-bit masks and adds cost 1.2-1.6%
+  // at 40% of tiles skipped, and NVRTC (64-bit shared pointers) more than nvcc: docs/design.md, "Compiling
+  // where users run it" and "What a skipped tile costs, continued".
+  const uint64_t desc_q = desc_plus(smem_desc(smem_addr(sm.q), D), consumer * (BLOCK_M * D / 16));
+  const uint64_t desc_k0 = smem_desc(smem_addr(sm.k[0]), D), desc_v0 = smem_desc(smem_addr(sm.v[0]), 128);
+  auto desc_k = [&](uint32_t s) { return desc_plus(desc_k0, s * (sizeof(sm.k[0]) / 16)); };
+  auto desc_v = [&](uint32_t s) { return desc_plus(desc_v0, s * (sizeof(sm.v[0]) / 16)); };
+  auto desc_ones = [&](uint32_t s) { return desc_plus(desc_v(s), D * BLOCK_N / 16); };
   // PINGPONG: the consumers take turns issuing their products (named barriers 1 and 2), so one's softmax
   // runs while the other's matrix products do; the first consumer goes first.
   const int my_turn = 1 + consumer, their_turn = 2 - consumer;
@@ -639,7 +662,7 @@ __device__ __forceinline__ void consume(Smem<D, STAGES>& sm, const Params& p, in
   mbar_wait(&sm.full_k[0], 0);
   if (PINGPONG) named_sync(my_turn, 256);
   wgmma_fence();
-  issue_qk<D>(acc, desc_q, smem_desc(smem_addr(sm.k[0]), D));
+  issue_qk<D>(acc, desc_q, desc_k(0));
   wgmma_commit();
   if (PINGPONG) named_arrive(their_turn, 256);
   wgmma_wait<0>();
@@ -647,8 +670,8 @@ __device__ __forceinline__ void consume(Smem<D, STAGES>& sm, const Params& p, in
 
   // Softmax of tile n (S in acc) into pa (the ragged last tile masked): whether the tile is kept, and each
   // row's rescale of O.
-  auto softmax = [&](int n, float& alpha0, float& alpha1) {
-    const int keys_left = kv_len - n * BLOCK_N;
+  auto softmax = [&](uint32_t n, float& alpha0, float& alpha1) {
+    const int keys_left = kv_len - static_cast<int>(n) * BLOCK_N;
     const uint32_t k_scale_addr = smem_addr(sm.k_scale[n % STAGES]);
     return keys_left < BLOCK_N
         ? tile_softmax<G, true, SKIP>(acc, k_scale_addr, t, keys_left, n > 0, vote_barrier, ok0, ok1, log2_lam, qs0,
@@ -675,9 +698,9 @@ __device__ __forceinline__ void consume(Smem<D, STAGES>& sm, const Params& p, in
     // tile n - 1; then Q.K^T of tile n + 1 and P.V of tile n are issued, in that order and as two commit
     // groups, so that the next softmax waits for the former only. The last tile (no Q.K^T to issue) is the
     // same step with MORE false.
-    auto step = [&](int n, auto more_tag) {
+    auto step = [&](uint32_t n, auto more_tag) {  // unsigned: stage and phase by masks and shifts
       constexpr bool MORE = decltype(more_tag)::value;
-      const int s = n % STAGES;
+      const uint32_t s = n % STAGES;
       if (n > 0) wgmma_wait<1>(); else wgmma_wait<0>();  // Q.K^T of tile n is done
       fence_operand(acc);
       float alpha0, alpha1;
@@ -721,20 +744,20 @@ __device__ __forceinline__ void consume(Smem<D, STAGES>& sm, const Params& p, in
       auto issue = [&](auto keep_tag) {
         if (MORE) {
           wgmma_fence();
-          issue_qk<D>(acc, desc_q, smem_desc(smem_addr(sm.k[(n + 1) % STAGES]), D));
+          issue_qk<D>(acc, desc_q, desc_k((n + 1) % STAGES));
           wgmma_commit();
         }
         wgmma_fence();
         if constexpr (decltype(keep_tag)::value) {
-          issue_pv<D>(o, pv, smem_desc(smem_addr(sm.v[s]), 128));
-          issue_row_sums(sums, pv, smem_desc(smem_addr(sm.v[s] + D * BLOCK_N), 128));
+          issue_pv<D>(o, pv, desc_v(s));
+          issue_row_sums(sums, pv, desc_ones(s));
         }
         wgmma_commit();  // a skipped tile's group is empty
       };
       if (keep) issue(BoolConstant<true>{}); else issue(BoolConstant<false>{});
       if (PINGPONG) named_arrive(their_turn, 256);
     };
-    for (int n = 0; n + 1 < n_tiles; ++n) step(n, BoolConstant<true>{});
+    for (uint32_t n = 0; n + 1 < static_cast<uint32_t>(n_tiles); ++n) step(n, BoolConstant<true>{});
     step(n_tiles - 1, BoolConstant<false>{});
     wgmma_wait<0>();
     fence_operand(o);
@@ -746,10 +769,10 @@ __device__ __forceinline__ void consume(Smem<D, STAGES>& sm, const Params& p, in
   } else {
     // Per tile n: softmax of tile n (S in acc), then P.V of tile n and Q.K^T of tile n + 1 issued together,
     // so the tensor cores run them back to back, and waited for together.
-    for (int n = 0; n < n_tiles; ++n) {
-      const int s = n % STAGES;
+    for (uint32_t n = 0; n < static_cast<uint32_t>(n_tiles); ++n) {  // unsigned: stage and phase by masks and shifts
+      const uint32_t s = n % STAGES;
       const uint32_t phase = (n / STAGES) & 1;
-      const bool more = n + 1 < n_tiles;
+      const bool more = n + 1 < static_cast<uint32_t>(n_tiles);
       float alpha0, alpha1;
       const bool keep = softmax(n, alpha0, alpha1);
       if (keep) {
@@ -763,12 +786,12 @@ __device__ __forceinline__ void consume(Smem<D, STAGES>& sm, const Params& p, in
       if (PINGPONG) named_sync(my_turn, 256);
       if (keep) {
         wgmma_fence();
-        issue_pv<D>(o, pa, smem_desc(smem_addr(sm.v[s]), 128));
-        issue_row_sums(sums, pa, smem_desc(smem_addr(sm.v[s] + D * BLOCK_N), 128));
+        issue_pv<D>(o, pa, desc_v(s));
+        issue_row_sums(sums, pa, desc_ones(s));
       }
       if (more) {
         wgmma_fence();
-        issue_qk<D>(acc, desc_q, smem_desc(smem_addr(sm.k[(n + 1) % STAGES]), D));
+        issue_qk<D>(acc, desc_q, desc_k((n + 1) % STAGES));
       }
       wgmma_commit();
       if (PINGPONG) named_arrive(their_turn, 256);
