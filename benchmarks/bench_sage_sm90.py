@@ -94,7 +94,7 @@ def _compiled_by(nvcc: str, fn):
 
 
 def run_shape(shape, builds, quants, targets, iters, locality, k_mean, v_mean, nvcc=None, reach_spread=0.0,
-              with_triton_skip=True) -> list[dict]:
+              with_triton_skip=True, alternate_skip=False) -> list[dict]:
     dev = torch.device("cuda")
     q, k, v = (x[0].contiguous() for x in structured_qkv(shape, locality, device=dev, k_mean=k_mean, v_mean=v_mean,
                                                          reach_spread=reach_spread))
@@ -142,6 +142,13 @@ def run_shape(shape, builds, quants, targets, iters, locality, k_mean, v_mean, n
                 impls[impl] = lambda call=call: call().out
                 if factor is not None:
                     counters[impl] = functools.partial(call, collect_stats=True)
+            if alternate_skip and name == "default":  # skip's gain or cost, clear of drift between rows
+                skip_off = functools.partial(sage_sm90_attention, q, k, v, layout, softmax_scale=scale, quant=qc,
+                                             defines=defines)
+                for label in ["+skiptiny", *(label for label, _ in at_targets)]:
+                    impl = f"sage-sm90[{name}{tag}]{label}"
+                    impls[f"{impl}: skip off | skip on, alternating"] = Alternating(
+                        lambda: skip_off().out, impls[impl])
         # Where a whole call's time goes (default build): the quantizer alone, the kernel alone on its output.
         quantized = sage_sm90_quantize(q, k, v, layout, qc)
         impls[f"sage-sm90{tag} quantizer only"] = functools.partial(quantize_only, qc)
@@ -182,7 +189,7 @@ def run_shape(shape, builds, quants, targets, iters, locality, k_mean, v_mean, n
         rows.append(row)
         extra = f"  skipped {row['skipped']:.3f}" if "skipped" in row else ""
         if times is not None:
-            extra += f"  nvcc {times[1]:.3f} ms (NVRTC / nvcc time {times[0] / times[1]:.4f})"
+            extra += f"  second {times[1]:.3f} ms (first / second time {times[0] / times[1]:.4f})"
         print(f"{shape.name:14s} {name:34s} {t:8.3f} ms {base / t:6.3f}x  rel-L1 {row.get('rel_l1', float('nan')):.4f}  "
               f"host {row['host_ms'] or float('nan'):.3f} ms{extra}", flush=True)
     return rows
@@ -237,7 +244,8 @@ def markdown(result: dict) -> str:
                if env.get("builds") else []),
              "`host ms`: CPU time to enqueue one call (measured on calls under 5 ms); a call cannot run faster.", "",
              "`skipped`: the fraction of 64 x 128 tiles the kernel skipped, by its own counter. A row timed "
-             "`alternating` gives the first compiler's time, and the second's in `ms` after the `|`.", "",
+             "`alternating` gives the first call's time (before the `|` in its name), and the second's in `ms` after "
+             "the `|`: each the median of eight rounds taken in turn.", "",
              "| shape | implementation | ms | vs cuDNN | skipped | rel-L1 | cosine | host ms |",
              "|---|---|---:|---:|---:|---:|---:|---:|"]
 
@@ -281,6 +289,9 @@ def main() -> None:
                    help="heads' reach differing by this many octaves either way (trained video models' heads do)")
     p.add_argument("--no-triton-skip", action="store_true", help="leave out the triton route's skip rows (a skip curve's "
                    "many thresholds)")
+    p.add_argument("--alternate-skip", action="store_true",
+                   help="also time the default build's skip off against skip on at nothing skipped and at each target, "
+                        "in alternating rounds (for the ratios, free of drift between rows)")
     p.add_argument("--replot", metavar="JSON", help="only redraw the skip curve of a results file (no GPU needed)")
     args = p.parse_args()
     if args.replot:
@@ -305,7 +316,7 @@ def main() -> None:
     rows = []
     for shape in parse_shapes(args.shapes):
         rows += run_shape(shape, builds, quants, targets, args.iters, args.locality, args.k_mean, args.v_mean,
-                          args.nvcc, args.reach_spread, not args.no_triton_skip)
+                          args.nvcc, args.reach_spread, not args.no_triton_skip, args.alternate_skip)
         torch.cuda.empty_cache()
     if args.out:
         write_result(args.out, "bench_sage_sm90.py",

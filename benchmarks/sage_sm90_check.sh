@@ -77,7 +77,7 @@ print(len(build_kernels([v for v in VARIANTS if v.out_dtype == torch.bfloat16], 
                # reach differs (REACH octaves, default 1) and on the plain structured ones, beside SageAttention2
     for reach in ${REACH:-1 0}; do
       timeout 280 python3 benchmarks/bench_sage_sm90.py --shapes "${SHAPES:-wan_14b_480p,wan_14b_720p}" \
-        --builds "${BUILDS:-default}" --quants k128t-smooth --target-skips 0.1,0.2,0.3,0.4,0.5 --reach-spread "$reach" \
+        --builds "${BUILDS:-default}" --quants k128t-smooth --target-skips "${TARGETS:-0.1,0.2,0.3,0.4,0.5,0.6}" --reach-spread "$reach" \
         --iters 10 --no-triton-skip ${NVCC_ROWS:+--nvcc "$nvcc_path"} --out "$out/sage_sm90_skip_curve_reach$reach.json"
     done ;;
   ncu-skip)  # issue 34: one wan_14b_480p call (reach spread 1) with nothing skipped and with 40% skipped

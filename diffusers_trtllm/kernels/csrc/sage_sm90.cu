@@ -694,6 +694,23 @@ __device__ __forceinline__ void consume(Smem<D, STAGES>& sm, const Params& p, in
     // (keep_alive_copy; written as C++, (old & zero) | new took two each).
     const uint32_t zero = static_cast<uint32_t>(kv_len >> 31);
     bool sums_due = false;  // the P.V group in flight is a kept tile's: add its row sums to l
+    // Once P.V of tile n - 1 is done (waited for): O, its row sums, pv and its stage are free.
+    auto release_stage = [&](uint32_t n) {  // of tile n - 1
+      if (n > 0) {
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&sm.empty[(n - 1) % STAGES]);
+      }
+    };
+    auto retire_pv = [&](uint32_t n) {
+      fence_operand(o);
+      fence_operand(sums);
+      fence_operand(pv);
+      if (sums_due) {
+        l_0 += sums[0];
+        l_1 += sums[2];
+      }
+      release_stage(n);
+    };
     // Per tile n (FA3's intra-warpgroup overlap): softmax of tile n runs while the tensor cores finish P.V of
     // tile n - 1; then Q.K^T of tile n + 1 and P.V of tile n are issued, in that order and as two commit
     // groups, so that the next softmax waits for the former only. The last tile (no Q.K^T to issue) is the
@@ -705,18 +722,27 @@ __device__ __forceinline__ void consume(Smem<D, STAGES>& sm, const Params& p, in
       fence_operand(acc);
       float alpha0, alpha1;
       const bool keep = softmax(n, alpha0, alpha1);
-      wgmma_wait<0>();  // P.V of tile n - 1 is done: O, its row sums, pv and its stage are free
-      fence_operand(o);
-      fence_operand(sums);
-      fence_operand(pv);
-      if (sums_due) {
-        l_0 += sums[0];
-        l_1 += sums[2];
+      if (SKIP && !PINGPONG && STAGES > 2 && MORE && !keep) {
+        // Skipped: S of tile n is dead, so Q.K^T of tile n + 1 goes to the tensor cores now, behind P.V of
+        // tile n - 1 where that still runs (all skipped 4-6% faster, about 40% skipped 1-2%:
+        // docs/design.md, "Issuing the next Q.K^T first"), and an empty group after it keeps the next step's
+        // wait the same. P.V's row sums wait for the next step's retire_pv (no product writes them before):
+        // reading them or O here, with Q.K^T in flight, makes ptxas serialize every product (C7514). With two
+        // stages, tile n + 1's K goes where tile n - 1's V is, so it cannot land before that stage is free.
+        mbar_wait(&sm.full_k[(n + 1) % STAGES], ((n + 1) / STAGES) & 1);
+        wgmma_fence();
+        issue_qk<D>(acc, desc_q, desc_k((n + 1) % STAGES));
+        wgmma_commit();
+        wgmma_wait<1>();  // P.V of tile n - 1 is done: its stage is free
+        release_stage(n);
+        ++skipped;
+        mbar_wait(&sm.full_v[s], (n / STAGES) & 1);
+        wgmma_fence();
+        wgmma_commit();
+        return;
       }
-      if (n > 0) {
-        __syncwarp();
-        if (lane == 0) mbar_arrive(&sm.empty[(n - 1) % STAGES]);
-      }
+      wgmma_wait<0>();
+      retire_pv(n);
       if (keep) {
         l_0 *= alpha0;
         l_1 *= alpha1;
@@ -863,7 +889,9 @@ __device__ __forceinline__ void attention(const TensorMap* map_q, const TensorMa
   const int n_tiles = (kv_len + BLOCK_N - 1) / BLOCK_N;
   if (n_tiles == 0) return;  // no keys: nothing defined to write (the host never launches such a batch)
 
-  const int warpgroup = threadIdx.x / 128;
+  // Read through a shuffle from lane 0, so that the compiler knows it is the same across the warp and keeps
+  // what follows from it (the consumer's Q descriptor) in uniform registers, as the tensor-core products take them.
+  const int warpgroup = __shfl_sync(0xffffffff, static_cast<int>(threadIdx.x / 128), 0);
   if (threadIdx.x == 0) {
     mbar_init(&sm.full_q, 1);
     for (int s = 0; s < STAGES; ++s) {
