@@ -148,7 +148,7 @@ def run_shape(shape, builds, quants, targets, iters, locality, k_mean, v_mean, n
                 for label in ["+skiptiny", *(label for label, _ in at_targets)]:
                     impl = f"sage-sm90[{name}{tag}]{label}"
                     impls[f"{impl}: skip off | skip on, alternating"] = Alternating(
-                        lambda: skip_off().out, impls[impl])
+                        lambda off=skip_off: off().out, impls[impl])
         # Where a whole call's time goes (default build): the quantizer alone, the kernel alone on its output.
         quantized = sage_sm90_quantize(q, k, v, layout, qc)
         impls[f"sage-sm90{tag} quantizer only"] = functools.partial(quantize_only, qc)
