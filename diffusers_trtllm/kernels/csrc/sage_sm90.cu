@@ -644,6 +644,9 @@ __device__ __forceinline__ void consume(Smem<D, STAGES>& sm, const Params& p, in
   auto desc_k = [&](uint32_t s) { return desc_plus(desc_k0, s * (sizeof(sm.k[0]) / 16)); };
   auto desc_v = [&](uint32_t s) { return desc_plus(desc_v0, s * (sizeof(sm.v[0]) / 16)); };
   auto desc_ones = [&](uint32_t s) { return desc_plus(desc_v(s), D * BLOCK_N / 16); };
+  // Tile n's K (with its scales) or V^T has landed in stage n % STAGES.
+  auto wait_k = [&](uint32_t n) { mbar_wait(&sm.full_k[n % STAGES], (n / STAGES) & 1); };
+  auto wait_v = [&](uint32_t n) { mbar_wait(&sm.full_v[n % STAGES], (n / STAGES) & 1); };
   // PINGPONG: the consumers take turns issuing their products (named barriers 1 and 2), so one's softmax
   // runs while the other's matrix products do; the first consumer goes first.
   const int my_turn = 1 + consumer, their_turn = 2 - consumer;
@@ -659,7 +662,7 @@ __device__ __forceinline__ void consume(Smem<D, STAGES>& sm, const Params& p, in
   uint32_t pa[4][4];  // P of the tile being made
 
   mbar_wait(&sm.full_q, 0);
-  mbar_wait(&sm.full_k[0], 0);
+  wait_k(0);
   if (PINGPONG) named_sync(my_turn, 256);
   wgmma_fence();
   issue_qk<D>(acc, desc_q, desc_k(0));
@@ -694,7 +697,7 @@ __device__ __forceinline__ void consume(Smem<D, STAGES>& sm, const Params& p, in
     // (keep_alive_copy; written as C++, (old & zero) | new took two each).
     const uint32_t zero = static_cast<uint32_t>(kv_len >> 31);
     bool sums_due = false;  // the P.V group in flight is a kept tile's: add its row sums to l
-    // Once P.V of tile n - 1 is done (waited for): O, its row sums, pv and its stage are free.
+    // Once P.V of tile n - 1 is done (waited for), its stage is free; and O, its row sums and pv (retire_pv).
     auto release_stage = [&](uint32_t n) {  // of tile n - 1
       if (n > 0) {
         __syncwarp();
@@ -722,6 +725,11 @@ __device__ __forceinline__ void consume(Smem<D, STAGES>& sm, const Params& p, in
       fence_operand(acc);
       float alpha0, alpha1;
       const bool keep = softmax(n, alpha0, alpha1);
+      auto issue_next_qk = [&] {
+        wgmma_fence();
+        issue_qk<D>(acc, desc_q, desc_k((n + 1) % STAGES));
+        wgmma_commit();
+      };
       if (SKIP && !PINGPONG && STAGES > 2 && MORE && !keep) {
         // Skipped: S of tile n is dead, so Q.K^T of tile n + 1 goes to the tensor cores now, behind P.V of
         // tile n - 1 where that still runs (all skipped 4-6% faster, about 40% skipped 1-2%:
@@ -729,14 +737,12 @@ __device__ __forceinline__ void consume(Smem<D, STAGES>& sm, const Params& p, in
         // wait the same. P.V's row sums wait for the next step's retire_pv (no product writes them before):
         // reading them or O here, with Q.K^T in flight, makes ptxas serialize every product (C7514). With two
         // stages, tile n + 1's K goes where tile n - 1's V is, so it cannot land before that stage is free.
-        mbar_wait(&sm.full_k[(n + 1) % STAGES], ((n + 1) / STAGES) & 1);
-        wgmma_fence();
-        issue_qk<D>(acc, desc_q, desc_k((n + 1) % STAGES));
-        wgmma_commit();
+        wait_k(n + 1);
+        issue_next_qk();
         wgmma_wait<1>();  // P.V of tile n - 1 is done: its stage is free
         release_stage(n);
         ++skipped;
-        mbar_wait(&sm.full_v[s], (n / STAGES) & 1);
+        wait_v(n);
         wgmma_fence();
         wgmma_commit();
         return;
@@ -757,8 +763,8 @@ __device__ __forceinline__ void consume(Smem<D, STAGES>& sm, const Params& p, in
       }
       sums_due = keep;
 
-      if (MORE) mbar_wait(&sm.full_k[(n + 1) % STAGES], ((n + 1) / STAGES) & 1);
-      mbar_wait(&sm.full_v[s], (n / STAGES) & 1);  // a skipped tile's V must land too before its stage is reused
+      if (MORE) wait_k(n + 1);
+      wait_v(n);  // a skipped tile's V must land too before its stage is reused
       if (PINGPONG) named_sync(my_turn, 256);
       // A skipped tile still commits a second group, empty (its row sums' products, issued until 2026-12-03,
       // cost it 4% of its time), so that every step after the first starts with the same two groups in
@@ -768,11 +774,7 @@ __device__ __forceinline__ void consume(Smem<D, STAGES>& sm, const Params& p, in
       // of its own, which the next step's wait for Q.K^T then retires, so that P.V never ran beside the
       // softmax (restoring that measured the same speed: docs/design.md, "What skip costs").
       auto issue = [&](auto keep_tag) {
-        if (MORE) {
-          wgmma_fence();
-          issue_qk<D>(acc, desc_q, desc_k((n + 1) % STAGES));
-          wgmma_commit();
-        }
+        if (MORE) issue_next_qk();
         wgmma_fence();
         if constexpr (decltype(keep_tag)::value) {
           issue_pv<D>(o, pv, desc_v(s));
@@ -797,7 +799,6 @@ __device__ __forceinline__ void consume(Smem<D, STAGES>& sm, const Params& p, in
     // so the tensor cores run them back to back, and waited for together.
     for (uint32_t n = 0; n < static_cast<uint32_t>(n_tiles); ++n) {  // unsigned: stage and phase by masks and shifts
       const uint32_t s = n % STAGES;
-      const uint32_t phase = (n / STAGES) & 1;
       const bool more = n + 1 < static_cast<uint32_t>(n_tiles);
       float alpha0, alpha1;
       const bool keep = softmax(n, alpha0, alpha1);
@@ -807,8 +808,8 @@ __device__ __forceinline__ void consume(Smem<D, STAGES>& sm, const Params& p, in
         ++skipped;
       }
 
-      if (more) mbar_wait(&sm.full_k[(n + 1) % STAGES], ((n + 1) / STAGES) & 1);
-      mbar_wait(&sm.full_v[s], phase);  // a skipped tile's V must land too before its stage is reused
+      if (more) wait_k(n + 1);
+      wait_v(n);  // a skipped tile's V must land too before its stage is reused
       if (PINGPONG) named_sync(my_turn, 256);
       if (keep) {
         wgmma_fence();
