@@ -1,16 +1,18 @@
-"""SAGE quantization for the ``triton`` route: one fused Triton pass over Q, K and V.
+"""SAGE quantization for the ``triton`` route: a statistics pass over V, then one Triton pass over Q, K and V.
 
 Produces docs/design.md's layout (the one ``reference.sage_quantize`` defines): Q/K int8
 or fp8 e4m3 with one scale per (head, block of consecutive tokens of one
 sequence), V fp8 e4m3 with one scale per (head, channel), V less its per-(head, channel) mean
-(``smooth_v``), which the attention kernels add back to their output. Three torch reductions over the tokens
-run first (V's mean, V's per-channel min and max, and K's mean with ``smooth_k``), then one kernel launch
-quantizes everything on a 1D grid of tiles: per (head, sequence) its Q tiles, K tiles and V tiles of
-consecutive tokens (64, K tiles a K block when that is longer), each read once, coalesced. V's channel scales
-need its amax less the mean over every token before any V tile can be quantized; the min and max give it
-exactly (``_quantize_v_rows``), so no reduction runs inside the launch. (Two earlier layouts measured slower on the H200, docs/design.md, "The quantizer": V by
-channel programs that read all tokens twice, a long serial path per program; and V by token tiles folding
-their amax into the scales by an atomic max, then a second launch.)
+(``smooth_v``), which the attention kernels add back to their output. One pass over V first (``v_stats``: its
+mean, min and max per channel) and K's sampled mean with ``smooth_k``, then the launches (``QUANT_LAUNCHES``;
+by default one each for Q, K and V, each compiled with only its own part, so the small Q and V tiles do not pay
+the registers of K's larger ones) quantize on a 1D grid of tiles: per (head, sequence) its Q tiles, K tiles and
+V tiles of consecutive tokens (64, K tiles a K block when that is longer), each read once, coalesced. V's channel
+scales need its amax less the mean over every token before any V tile can be quantized; the min and max give it
+exactly (``_quantize_v_rows``), so no reduction runs inside the launches. (Two earlier layouts measured slower
+on the H200, docs/design.md, "The quantizer": V by channel programs that read all tokens twice, a long serial
+path per program; and V by token tiles folding their amax into the scales by an atomic max, then a second
+launch.)
 
 V is written transposed, ``[kv_heads * dim, padded tokens]``, because Hopper's
 fp8 tensor-core product needs the reduction dimension (tokens, in P·V)
@@ -20,10 +22,10 @@ be 16-byte aligned) computable in-kernel; the gap up to the next start is zeroed
 With ``mma_key_order`` (the ``sage-sm90`` kernel's layout) the keys of every aligned group of 16
 columns are stored permuted, position ``4t + 2h + e`` holding key ``8h + 2t + e``: the order in which that
 kernel's P·V product reads P straight from its score registers (``csrc/sage_sm90.cu``).
-Rounding is done explicitly (round half to even), so the stored values equal the
-reference's whatever path the compiler takes for a cast. Where fp8 is not native (the Triton interpreter, whose fp8
-casts round wrongly, and SM80/86, which have no fp8), values are rounded to the
-e4m3 grid in fp32 and V is kept in fp16: the arithmetic is the same.
+int8 values are rounded explicitly (round half to even, ``_rne``) and fp8 ones by the native cast, which
+rounds half to even too, so the stored values equal the reference's. Where fp8 is not native (the Triton
+interpreter, whose fp8 casts round wrongly, and SM80/86, which have no fp8), values are rounded to the e4m3
+grid in fp32 first and V is kept in fp16: the arithmetic is the same.
 
 Triton is imported at module import; ``triton_attn`` imports this module lazily.
 """
@@ -41,17 +43,26 @@ import triton.language as tl
 
 from ..config import DEFAULT_K_BLOCK, QuantConfig
 from ..layout import PackedLayout
-from .reference import AMAX_FLOOR, FP8_MAX, block_ids, channel_mean, key_mean, scale_slots
+from .reference import AMAX_FLOOR, FP8_MAX, block_ids, key_mean, scale_slots
 
-__all__ = ["TritonSage", "sage_quantize_triton", "mma_key_column", "fp8_native", "interpreting", "round_fp8_grid", "vt_start", "max_nan"]
+__all__ = ["TritonSage", "sage_quantize_triton", "mma_key_column", "fp8_native", "interpreting", "round_fp8_grid", "vt_start", "max_nan", "v_stats"]
 
 #: Tokens per Q or V program of the quantization kernel: a multiple of every Q block size (K programs take
 #: max(this, the K block): a tile starts whole blocks) and of 16 (V's key order permutes within groups of 16).
 QUANT_BLOCK_T = 64
 #: The most columns ``vt_start`` leaves between a sequence's last key and the next sequence's first (17 the least).
 VT_GAP_MAX = 47
-#: Warps per program.
+#: Warps per program of QUANT_BLOCK_T tokens. A launch with K tiles of more tokens (a K block of 128) gives all
+#: its programs proportionally more, so that a K tile's threads hold no more values each than a Q tile's.
 QUANT_WARPS = 8
+#: The launches the quantizer makes, each the parts (Q, K, V) it quantizes: a part launched alone is compiled
+#: alone, with the registers its own tiles need.
+QUANT_LAUNCHES = ("q", "k", "v")
+#: Tokens per program of ``v_stats`` (at Wan 480p, 64 spans of each of the 40 heads), the tokens it reads per
+#: step, and its warps.
+V_STATS_ROWS = 512
+V_STATS_BLOCK_T = 32
+V_STATS_WARPS = 4
 _AMAX_FLOOR, _FP8_MAX = tl.constexpr(AMAX_FLOOR), tl.constexpr(FP8_MAX)
 
 
@@ -148,10 +159,10 @@ def max_nan(x, axis):
 
 @triton.jit
 def _rne(x):
-    """Round to the nearest integer, ties to even (|x| < 2**22), as ``torch.round``."""
-    r = tl.floor(x + 0.5)
-    odd_tie = ((r - x) == 0.5) & (tl.floor(r * 0.5) != r * 0.5)
-    return tl.where(odd_tie, r - 1.0, r)
+    """Round to the nearest integer, ties to even (|x| <= 2**22), as ``torch.round``: adding 1.5 * 2**23 leaves no
+    fraction bits, so the fp32 add rounds to nearest even, and taking it off again is exact. Two adds, where
+    floor-based rounding took nine instructions per value (docs/design.md, "The quantizer")."""
+    return (x + 12582912.0) - 12582912.0
 
 
 @triton.jit
@@ -189,9 +200,17 @@ def _quantize_tile(x, QMAX: tl.constexpr, BS: tl.constexpr, BLOCK_T: tl.constexp
     y = tl.math.div_rn(x, row_scale[:, None])
     if IS_INT8:
         y = tl.clamp(_rne(y), -QMAX, QMAX).to(tl.int8)
-    else:  # already on the e4m3 grid: the cast has nothing left to round
-        y = round_fp8_grid(tl.clamp(y, -448.0, 448.0)).to(tl.float8e4nv)
+    else:
+        y = _on_fp8_grid(tl.clamp(y, -448.0, 448.0), NATIVE).to(tl.float8e4nv)
     return y, scale
+
+
+@triton.jit
+def _on_fp8_grid(y, NATIVE: tl.constexpr):
+    """``y`` (|y| <= 448) ready for a cast to e4m3. A native cast (``cvt.rn.satfinite``) rounds to nearest even
+    itself; the interpreter's rounds wrongly, so there the values are put on the grid first, and the cast has
+    nothing left to round."""
+    return y if NATIVE else round_fp8_grid(y)
 
 
 @triton.jit
@@ -204,22 +223,26 @@ def _sage_quant_kernel(
     H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
     Q_BS: tl.constexpr, K_BS: tl.constexpr, QMAX: tl.constexpr, IS_INT8: tl.constexpr,
     SMOOTH_K: tl.constexpr, NATIVE: tl.constexpr, MMA_KEY_ORDER: tl.constexpr, K_PER_THREAD: tl.constexpr,
+    DO_Q: tl.constexpr, DO_K: tl.constexpr, DO_V: tl.constexpr,
 ):
-    # 1D grid: per (head, sequence), its Q tiles, then its K tiles, then its V tiles (tile fastest).
+    # 1D grid: per (head, sequence), its Q tiles, then its K tiles, then its V tiles (tile fastest); a part this
+    # launch leaves out (DO_Q, DO_K, DO_V false) has no tiles and no code in it.
     pid = tl.program_id(0)
     tiles = n_q_tiles + n_k_tiles + n_v_tiles
     tile = pid % tiles
     seq = (pid // tiles) % num_seqs
     head = pid // (tiles * num_seqs)
     if tile < n_q_tiles:
-        _quantize_rows(q_ptr, stride_qt, stride_qh, qo_ptr, H, q_scale_ptr, n_q_blocks, k_mean_ptr, cu_q_ptr, seq,
-                       head, tile * BLOCK_T, D, BLOCK_T, Q_BS, QMAX, IS_INT8, NATIVE, False, False)
+        if DO_Q:
+            _quantize_rows(q_ptr, stride_qt, stride_qh, qo_ptr, H, q_scale_ptr, n_q_blocks, k_mean_ptr, cu_q_ptr,
+                           seq, head, tile * BLOCK_T, D, BLOCK_T, Q_BS, QMAX, IS_INT8, NATIVE, False, False)
     elif head < HKV:
         if tile < n_q_tiles + n_k_tiles:
-            _quantize_rows(k_ptr, stride_kt, stride_kh, ko_ptr, HKV, k_scale_ptr, n_k_blocks, k_mean_ptr, cu_kv_ptr, seq,
-                           head, (tile - n_q_tiles) * BLOCK_K, D, BLOCK_K, K_BS, QMAX, IS_INT8, NATIVE, SMOOTH_K,
-                           K_PER_THREAD)
-        else:
+            if DO_K:
+                _quantize_rows(k_ptr, stride_kt, stride_kh, ko_ptr, HKV, k_scale_ptr, n_k_blocks, k_mean_ptr,
+                               cu_kv_ptr, seq, head, (tile - n_q_tiles) * BLOCK_K, D, BLOCK_K, K_BS, QMAX, IS_INT8,
+                               NATIVE, SMOOTH_K, K_PER_THREAD)
+        elif DO_V:
             _quantize_v_rows(v_ptr, stride_vt, stride_vh, vt_ptr, vt_stride, v_scale_ptr, v_mean_ptr, v_min_ptr,
                              v_max_ptr, cu_kv_ptr, seq, head, (tile - n_q_tiles - n_k_tiles) * BLOCK_T, D, BLOCK_T,
                              NATIVE, MMA_KEY_ORDER)
@@ -285,10 +308,58 @@ def _quantize_v_rows(v_ptr, stride_t, stride_h, vt_ptr, vt_stride, v_scale_ptr, 
         x = tl.load(v_ptr + (start + keys)[:, None].to(tl.int64) * stride_t + head * stride_h + dims[None, :],
                     mask=ok[:, None], other=0.0)
         y = tl.math.div_rn(x.to(tl.float32) - mean[None, :], scale[None, :])  # V less its mean (smooth_v)
-        y = tl.where(ok[:, None], round_fp8_grid(tl.clamp(y, -448.0, 448.0)), 0.0)  # zeros, whatever the scale
+        y = tl.where(ok[:, None], _on_fp8_grid(tl.clamp(y, -448.0, 448.0), NATIVE), 0.0)  # zeros, whatever the scale
         vq = tl.trans(y.to(tl.float8e4nv) if NATIVE else y.to(tl.float16))  # [channels, columns]
         v_rows = vt_ptr + (head * D + dims)[:, None].to(tl.int64) * vt_stride
         tl.store(v_rows + (first + local + cols)[None, :], vq, mask=(local + cols < span)[None, :])
+
+
+@triton.jit
+def _v_stats_kernel(v_ptr, stride_t, stride_h, sum_ptr, min_ptr, max_ptr, tokens, rows_per_program,
+                    HKV: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr):
+    """One (span of ``rows_per_program`` tokens, head) of V: its per-channel sum, min and max (NaN kept), in
+    slot ``[span, head]`` of the partials ``v_stats`` folds. Each thread keeps its own elements' running sum and
+    extremes, reduced across the tile once at the end: a reduction over the tokens per step (through shared
+    memory) took longer than the pass itself."""
+    span = tl.program_id(0)
+    head = tl.program_id(1)
+    dims = tl.arange(0, D)
+    total = tl.zeros((BLOCK_T, D), tl.float32)
+    lo = tl.full((BLOCK_T, D), float("inf"), tl.float32)
+    hi = tl.full((BLOCK_T, D), float("-inf"), tl.float32)
+    first = span * rows_per_program
+    end = tl.minimum(first + rows_per_program, tokens)
+    for start in range(first, end, BLOCK_T):
+        rows = start + tl.arange(0, BLOCK_T)
+        ok = (rows < end)[:, None]
+        x = tl.load(v_ptr + rows[:, None].to(tl.int64) * stride_t + head * stride_h + dims[None, :], mask=ok,
+                    other=0.0).to(tl.float32)
+        total += x
+        lo = tl.minimum(lo, tl.where(ok, x, float("inf")), propagate_nan=tl.PropagateNan.ALL)
+        hi = _maximum_nan(hi, tl.where(ok, x, float("-inf")))
+    slot = (span * HKV + head) * D + dims
+    tl.store(sum_ptr + slot, tl.sum(total, 0))
+    tl.store(min_ptr + slot, -max_nan(-lo, 0))
+    tl.store(max_ptr + slot, max_nan(hi, 0))
+
+
+def v_stats(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """V's per-(head, channel) mean, min and max over every packed token, ``[kv_heads, dim]`` float32 each, from
+    one pass over V (what ``smooth_v`` takes off, and with it V's channel scales). The mean is summed in spans of
+    ``V_STATS_ROWS`` tokens, then over the spans: the same value as ``reference.channel_mean`` up to fp32
+    rounding, not bit for bit (``reference.sage_quantize`` takes it as given)."""
+    tokens, kv_heads, dim = v.shape
+    spans = triton.cdiv(tokens, V_STATS_ROWS)
+    sums, lows, highs = torch.empty(3, spans, kv_heads, dim, dtype=torch.float32, device=v.device)
+    _v_stats_kernel[(spans, kv_heads)](v, v.stride(0), v.stride(1), sums, lows, highs, tokens, V_STATS_ROWS,
+                                       HKV=kv_heads, D=dim, BLOCK_T=V_STATS_BLOCK_T, num_warps=V_STATS_WARPS)
+    return sums.sum(0) / tokens, lows.amin(0), highs.amax(0)
+
+
+def launch_warps(parts: str, block_k: int) -> int:
+    """Warps per program of a quantizer launch of ``parts`` (K tiles of ``block_k`` tokens): ``QUANT_WARPS`` per
+    ``QUANT_BLOCK_T`` tokens of its longest tiles."""
+    return QUANT_WARPS * (block_k // QUANT_BLOCK_T if "k" in parts else 1)
 
 
 def sage_quantize_triton(
@@ -311,8 +382,7 @@ def sage_quantize_triton(
     n_k_blocks = scale_slots(layout.kv_lens, quant.k_block_size, quant.k_per_thread)
     v_scale = torch.empty(kv_heads, dim, dtype=torch.float32, device=q.device)  # written by the kernel
     k_mean = key_mean(k) if quant.smooth_k else None
-    v_mean = channel_mean(v)  # smooth_v, always (docs/design.md, "V's mean")
-    v_min, v_max = torch.aminmax(v, dim=0)  # with v_mean, the channels' amax less their mean: V's scales
+    v_mean, v_min, v_max = v_stats(v)  # smooth_v, always (docs/design.md, "V's mean"), and V's channel scales
     padded = vt_start.fn(layout.num_seqs, tokens_kv)
     out = TritonSage(
         q=torch.empty(q.shape, dtype=qk_dtype, device=q.device),
@@ -331,16 +401,19 @@ def sage_quantize_triton(
     n_q_tiles = triton.cdiv(layout.max_seqlen_q, QUANT_BLOCK_T)
     n_k_tiles = triton.cdiv(layout.max_seqlen_kv, block_k)
     n_v_tiles = triton.cdiv(layout.max_seqlen_kv + VT_GAP_MAX, QUANT_BLOCK_T)
-    grid = ((n_q_tiles + n_k_tiles + n_v_tiles) * layout.num_seqs * heads,)
-    _sage_quant_kernel[grid](
-        q, k, v, out.q, out.k, out.vt,
-        out.q_scale, out.k_scale, v_scale, v_scale if k_mean is None else k_mean, v_mean, v_min, v_max,  # (v_scale: unread)
-        layout.cu_seqlens_q, layout.cu_seqlens_kv,
-        n_q_blocks, n_k_blocks, n_q_tiles, n_k_tiles, n_v_tiles, padded, layout.num_seqs,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        H=heads, HKV=kv_heads, D=dim, BLOCK_T=QUANT_BLOCK_T, BLOCK_K=block_k,
-        Q_BS=quant.q_block_size, K_BS=quant.k_block_size, QMAX=quant.qk_max,
-        IS_INT8=qk_dtype == torch.int8, SMOOTH_K=quant.smooth_k, NATIVE=native, MMA_KEY_ORDER=mma_key_order,
-        K_PER_THREAD=quant.k_per_thread, num_warps=QUANT_WARPS,
-    )
+    for parts in QUANT_LAUNCHES:
+        tiles = [n if part in parts else 0 for n, part in ((n_q_tiles, "q"), (n_k_tiles, "k"), (n_v_tiles, "v"))]
+        grid = (sum(tiles) * layout.num_seqs * (heads if "q" in parts else kv_heads),)
+        _sage_quant_kernel[grid](
+            q, k, v, out.q, out.k, out.vt,
+            out.q_scale, out.k_scale, v_scale, v_scale if k_mean is None else k_mean, v_mean, v_min, v_max,  # (v_scale: unread)
+            layout.cu_seqlens_q, layout.cu_seqlens_kv,
+            n_q_blocks, n_k_blocks, *tiles, padded, layout.num_seqs,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            H=heads, HKV=kv_heads, D=dim, BLOCK_T=QUANT_BLOCK_T, BLOCK_K=block_k,
+            Q_BS=quant.q_block_size, K_BS=quant.k_block_size, QMAX=quant.qk_max,
+            IS_INT8=qk_dtype == torch.int8, SMOOTH_K=quant.smooth_k, NATIVE=native, MMA_KEY_ORDER=mma_key_order,
+            K_PER_THREAD=quant.k_per_thread, DO_Q="q" in parts, DO_K="k" in parts, DO_V="v" in parts,
+            num_warps=launch_warps(parts, block_k),
+        )
     return out
