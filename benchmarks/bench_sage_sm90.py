@@ -60,6 +60,10 @@ BUILDS = {
     "softexp8": ("SAGE_SM90_SOFT_EXP=8",),
     "5stages": ("SAGE_SM90_STAGES=5",),
     "6stages": ("SAGE_SM90_STAGES=6",),
+    # docs/design.md, "A shorter way to the vote": built and checked on the CPU on 2026-12-05, not yet timed.
+    "vote-pred": ("SAGE_SM90_VOTE_PRED=1",),
+    "late-shuffle": ("SAGE_SM90_LATE_SHUFFLE=1",),
+    "vote-pred-late-shuffle": ("SAGE_SM90_VOTE_PRED=1", "SAGE_SM90_LATE_SHUFFLE=1"),
 }
 
 
@@ -94,7 +98,7 @@ def _compiled_by(nvcc: str, fn):
 
 
 def run_shape(shape, builds, quants, targets, iters, locality, k_mean, v_mean, nvcc=None, reach_spread=0.0,
-              with_triton_skip=True, alternate_skip=False) -> list[dict]:
+              with_triton_skip=True, alternate_skip=False, alternate_builds=False) -> list[dict]:
     dev = torch.device("cuda")
     q, k, v = (x[0].contiguous() for x in structured_qkv(shape, locality, device=dev, k_mean=k_mean, v_mean=v_mean,
                                                          reach_spread=reach_spread))
@@ -149,6 +153,10 @@ def run_shape(shape, builds, quants, targets, iters, locality, k_mean, v_mean, n
                     impl = f"sage-sm90[{name}{tag}]{label}"
                     impls[f"{impl}: skip off | skip on, alternating"] = Alternating(
                         lambda off=skip_off: off().out, impls[impl])
+            if alternate_builds and name != "default":  # a build's gain or cost, clear of drift between rows
+                for label in ["", "+skiptiny", *(label for label, _ in at_targets)]:
+                    impls[f"sage-sm90[default{tag}] | [{name}{tag}]{label}, alternating"] = Alternating(
+                        impls[f"sage-sm90[default{tag}]{label}"], impls[f"sage-sm90[{name}{tag}]{label}"])
         # Where a whole call's time goes (default build): the quantizer alone, the kernel alone on its output.
         quantized = sage_sm90_quantize(q, k, v, layout, qc)
         impls[f"sage-sm90{tag} quantizer only"] = functools.partial(quantize_only, qc)
@@ -292,6 +300,9 @@ def main() -> None:
     p.add_argument("--alternate-skip", action="store_true",
                    help="also time the default build's skip off against skip on at nothing skipped and at each target, "
                         "in alternating rounds (for the ratios, free of drift between rows)")
+    p.add_argument("--alternate-builds", action="store_true",
+                   help="also time each build other than the default against the default in alternating rounds, with skip "
+                        "off, at nothing skipped and at each target (list default first)")
     p.add_argument("--replot", metavar="JSON", help="only redraw the skip curve of a results file (no GPU needed)")
     args = p.parse_args()
     if args.replot:
@@ -305,6 +316,8 @@ def main() -> None:
     if unknown:
         p.error(f"unknown quants {unknown}; known: {', '.join(QUANTS)}")
     quants = {x: QUANTS[x] for x in args.quants.split(",") if x}
+    if args.alternate_builds and "default" not in builds:
+        p.error("--alternate-builds times the other builds against the default: add default to --builds")
     if args.build_only:
         dims = {shape.head_dim for shape in parse_shapes(args.shapes)}
         blocks = {qc.k_block_size for qc in quants.values()}
@@ -316,7 +329,8 @@ def main() -> None:
     rows = []
     for shape in parse_shapes(args.shapes):
         rows += run_shape(shape, builds, quants, targets, args.iters, args.locality, args.k_mean, args.v_mean,
-                          args.nvcc, args.reach_spread, not args.no_triton_skip, args.alternate_skip)
+                          args.nvcc, args.reach_spread, not args.no_triton_skip, args.alternate_skip,
+                          args.alternate_builds)
         torch.cuda.empty_cache()
     if args.out:
         write_result(args.out, "bench_sage_sm90.py",

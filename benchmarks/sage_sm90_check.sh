@@ -75,12 +75,13 @@ print(len(build_kernels([v for v in VARIANTS if v.out_dtype == torch.bfloat16], 
       --time-limit 250 --out "$out" --name "${E2E_NAME:-e2e_h200_sage_skip}" --no-progress 2>&1 | grep -v "^\s*$" | tail -30 ;;
   skip-curve)  # issue 34: speed and the kernel's skipped fraction from nothing skipped to half, on inputs whose heads'
                # reach differs (REACH octaves, default 1) and on the plain structured ones, beside SageAttention2
-               # (ALTERNATE=1: skip off against skip on timed in turns too; with TARGETS=0.4,0.5,0.6 a reach fits the
-               # 280 s limit: run 9 took 203 s with three builds)
+               # (ALTERNATE=1: skip off against skip on timed in turns too; ALTERNATE_BUILDS=1: each build against the
+               # default in turns; with TARGETS=0.4,0.5,0.6 a reach fits the 280 s limit: run 9 took 203 s with three builds)
     for reach in ${REACH:-1 0}; do
       timeout 280 python3 benchmarks/bench_sage_sm90.py --shapes "${SHAPES:-wan_14b_480p,wan_14b_720p}" \
         --builds "${BUILDS:-default}" --quants k128t-smooth --target-skips "${TARGETS:-0.1,0.2,0.3,0.4,0.5,0.6}" --reach-spread "$reach" \
         --iters 10 --no-triton-skip ${NVCC_ROWS:+--nvcc "$nvcc_path"} ${ALTERNATE:+--alternate-skip} \
+        ${ALTERNATE_BUILDS:+--alternate-builds} \
         --out "$out/sage_sm90_skip_curve_reach$reach.json"
     done ;;
   ncu-skip)  # issue 34: one wan_14b_480p call (reach spread 1) with nothing skipped and with 40% skipped
