@@ -60,10 +60,6 @@ BUILDS = {
     "softexp8": ("SAGE_SM90_SOFT_EXP=8",),
     "5stages": ("SAGE_SM90_STAGES=5",),
     "6stages": ("SAGE_SM90_STAGES=6",),
-    # docs/design.md, "A shorter way to the vote": built and checked on the CPU on 2026-12-05, not yet timed.
-    "vote-pred": ("SAGE_SM90_VOTE_PRED=1",),
-    "late-shuffle": ("SAGE_SM90_LATE_SHUFFLE=1",),
-    "vote-pred-late-shuffle": ("SAGE_SM90_VOTE_PRED=1", "SAGE_SM90_LATE_SHUFFLE=1"),
 }
 
 

@@ -18,7 +18,6 @@ import torch
 
 import sass_hazards
 from background_jobs import BackgroundJob
-from test_sage_sm90_gpu import BUILDS as GPU_BUILDS
 from diffusers_trtllm.config import QuantConfig
 from diffusers_trtllm.kernels import cuda_jit, sage_sm90
 from diffusers_trtllm.kernels.triton_quant import mma_key_column
@@ -318,36 +317,28 @@ from diffusers_trtllm.kernels import cuda_jit
 logger.setLevel(logging.DEBUG)
 logger.addHandler(logging.StreamHandler(sys.stderr))
 nvrtc = cuda_jit.Nvrtc(cuda_jit.find_nvrtc())
-cubin = nvrtc.cubin(cuda_jit.source_path("sage_sm90.cu"), "90a", tuple(sys.argv[2:]))
-Path(sys.argv[1], "k.cubin").write_bytes(cubin)
+Path(sys.argv[1], "k.cubin").write_bytes(nvrtc.cubin(cuda_jit.source_path("sage_sm90.cu"), "90a", ()))
 """
 
 
-def _ptxas_report_build(defines: tuple[str, ...]):
-    """Every entry point built with these ``-D`` knobs by nvcc where one is installed, else NVRTC (torch's CUDA
-    wheels' compiler, in the test extras)."""
-    def command(workdir):
-        nvcc = cuda_jit.find_nvcc()
-        if nvcc is not None:
-            return [nvcc, "-cubin", "-gencode=arch=compute_90a,code=sm_90a", "-O3", "-std=c++17", "-Xptxas=-v",
-                    *(f"-D{d}" for d in defines), "-o", str(workdir / "k.cubin"), str(SOURCE)]
-        if cuda_jit.find_nvrtc() is not None:
-            return [sys.executable, "-c", _NVRTC_REPORT_BUILD, str(workdir), *defines]
-        return None
-    return command
+def _ptxas_report_build(workdir):
+    """nvcc where one is installed, else NVRTC (torch's CUDA wheels' compiler, in the test extras)."""
+    nvcc = cuda_jit.find_nvcc()
+    if nvcc is not None:
+        return [nvcc, "-cubin", "-gencode=arch=compute_90a,code=sm_90a", "-O3", "-std=c++17", "-Xptxas=-v",
+                "-o", str(workdir / "k.cubin"), str(SOURCE)]
+    if cuda_jit.find_nvrtc() is not None:
+        return [sys.executable, "-c", _NVRTC_REPORT_BUILD, str(workdir)]
+    return None
 
 
-_BUILD_TEST = ("test_kernel_builds_for_sm90a_without_spills_or_serialized_products",)
-#: The builds with ptxas's report, started with the session (``background_jobs``): about 2 minutes of one core
-#: each. The default, and the GPU tests' build of the knobs not yet timed (docs/design.md, "A shorter way to the
-#: vote"), so that they stay ready to time.
-PTXAS_REPORT_BUILD = BackgroundJob(_ptxas_report_build(()), _BUILD_TEST)
-PTXAS_REPORT_BUILD_VOTE = BackgroundJob(_ptxas_report_build(GPU_BUILDS["vote_pred_late_shuffle"]), _BUILD_TEST)
+#: The build with ptxas's report, started with the session (``background_jobs``): about 2 minutes of one core.
+PTXAS_REPORT_BUILD = BackgroundJob(_ptxas_report_build,
+                                   ("test_kernel_builds_for_sm90a_without_spills_or_serialized_products",))
 
 
 @pytest.mark.skipif(cuda_jit.find_nvcc() is None and cuda_jit.find_nvrtc() is None, reason="needs nvcc or NVRTC")
-@pytest.mark.parametrize("build", [PTXAS_REPORT_BUILD, PTXAS_REPORT_BUILD_VOTE], ids=["default", "vote_pred_late_shuffle"])
-def test_kernel_builds_for_sm90a_without_spills_or_serialized_products(build):
+def test_kernel_builds_for_sm90a_without_spills_or_serialized_products():
     """ptxas's report for the default K block sizes (16 and 4): no local memory, and no wgmma serialized
     (C7510-C7520 'Potential Performance Loss'), which would cost the kernel most of its speed; ptxas
     serializes the overlap's products as soon as the groups in flight differ between the paths into a
@@ -355,7 +346,7 @@ def test_kernel_builds_for_sm90a_without_spills_or_serialized_products(build):
     writes a register of a P.V product that is still running (ptxas reused P's registers in the overlap
     build's next softmax before the copy that keeps them alive; only the GPU test caught it), and in every
     kernel, skip builds included, P.V still runs past the wait for Q.K^T (the overlap)."""
-    res = build.result(timeout=600)  # about 75 s of one idle core, by nvcc or NVRTC
+    res = PTXAS_REPORT_BUILD.result(timeout=600)  # about 75 s of one idle core, by nvcc or NVRTC
     assert res.returncode == 0, f"(None: killed at its timeout) {res.returncode}: {res.stderr}"
     assert "Potential Performance Loss" not in res.stderr
     # nvcc's report line is "    0 bytes stack frame, ...", NVRTC's "ptxas         .     0 bytes stack frame, ...".

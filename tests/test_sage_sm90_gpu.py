@@ -22,8 +22,7 @@ pytestmark = [pytest.mark.gpu, requires_cuda]
 
 BUILDS = {"default": (), "pingpong": ("SAGE_SM90_PINGPONG=1",), "two_stages": ("SAGE_SM90_STAGES=2",),
           "serial": ("SAGE_SM90_OVERLAP=0",), "fp32_poly": ("SAGE_SM90_HALF_POLY=0",),
-          "serial_fp32_poly": ("SAGE_SM90_OVERLAP=0", "SAGE_SM90_HALF_POLY=0"),
-          "vote_pred_late_shuffle": ("SAGE_SM90_VOTE_PRED=1", "SAGE_SM90_LATE_SHUFFLE=1")}
+          "serial_fp32_poly": ("SAGE_SM90_OVERLAP=0", "SAGE_SM90_HALF_POLY=0")}
 
 
 @pytest.fixture(autouse=True)

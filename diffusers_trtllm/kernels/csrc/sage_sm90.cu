@@ -34,8 +34,6 @@
 // groups, softmax of tile n + 1 beside the latter; 0: both in one group, waited for together) and
 // SAGE_SM90_HALF_POLY (the FMA-pipe exponentials two at a time in half precision, exp2_e4m3x2; 0: one at a
 // time in fp32). The defaults are the fastest measured (benchmarks/results/sage_sm90_sweep_h200.md).
-// SAGE_SM90_VOTE_PRED and SAGE_SM90_LATE_SHUFFLE shorten the path from a tile's scores to its skip vote
-// (docs/design.md, "A shorter way to the vote"); built and checked on the CPU, not yet timed.
 
 #ifndef SAGE_SM90_SOFT_EXP  // of each row's 16 score chunks, how many take exp2_poly (fast path)
 #define SAGE_SM90_SOFT_EXP 4
@@ -51,12 +49,6 @@
 #endif
 #ifndef SAGE_SM90_OVERLAP  // FA3's intra-warpgroup overlap (softmax of tile n beside P.V of tile n - 1)
 #define SAGE_SM90_OVERLAP 1
-#endif
-#ifndef SAGE_SM90_VOTE_PRED  // the vote's comparisons made into the barrier's predicate in one asm (1)
-#define SAGE_SM90_VOTE_PRED 0
-#endif
-#ifndef SAGE_SM90_LATE_SHUFFLE  // the quad's row-max shuffles after the vote, and only when a row's max moved (1)
-#define SAGE_SM90_LATE_SHUFFLE 0
 #endif
 
 namespace sage_sm90 {
@@ -167,21 +159,6 @@ __device__ __forceinline__ bool warpgroup_any(int id, bool want) {
       "bar.red.or.pred pout, %2, 128, pin;\nselp.u32 %0, 1, 0, pout;\n}\n"
       : "=r"(out)
       : "r"(static_cast<uint32_t>(want)), "r"(id)
-      : "memory");
-  return out != 0;
-}
-
-// The same OR of the skip vote's `want`, (ok0 && !(e0 < bound)) || (ok1 && !(e1 < bound)), its comparisons
-// made inside the asm straight into the barrier's predicate (SAGE_SM90_VOTE_PRED): `want` passed as an
-// integer costs four dependent instructions before the barrier, which ptxas spends turning it back into one.
-__device__ __forceinline__ bool warpgroup_reaches(int id, float e0, float e1, float bound, bool ok0, bool ok1) {
-  uint32_t out;
-  asm volatile(
-      "{\n.reg .pred o0, o1, w0, w1, pin, pout;\nsetp.ne.b32 o0, %4, 0;\nsetp.ne.b32 o1, %5, 0;\n"
-      "setp.geu.and.f32 w0, %1, %3, o0;\nsetp.geu.and.f32 w1, %2, %3, o1;\nor.pred pin, w0, w1;\n"
-      "bar.red.or.pred pout, %6, 128, pin;\nselp.u32 %0, 1, 0, pout;\n}\n"
-      : "=r"(out)
-      : "f"(e0), "f"(e1), "f"(bound), "r"(static_cast<uint32_t>(ok0)), "r"(static_cast<uint32_t>(ok1)), "r"(id)
       : "memory");
   return out != 0;
 }
@@ -550,29 +527,20 @@ __device__ __forceinline__ bool tile_softmax(const int32_t (&acc)[64], uint32_t 
   float mx0 = tree_max(gm[0]), mx1 = tree_max(gm[1]);
   // Skip when exp(local max - running max) < lambda on every row of the tile. A row is kept when any of its
   // scores reaches the bound, so each thread votes on its own part of its rows: the same OR, with the quad's
-  // shuffles off the vote's inputs (a skipped tile 2-4% faster: docs/design.md, "What a skipped tile
+  // shuffles below off the vote's path (a skipped tile 2-4% faster: docs/design.md, "What a skipped tile
   // costs, continued").
   const float e0 = (mx0 - m_0) * qs0, e1 = (mx1 - m_1) * qs1;
   const bool want = (ok0 && !(e0 < log2_lam)) || (ok1 && !(e1 < log2_lam));
   // A row's 128 keys are spread over the 4 lanes t of its quad.
-  auto quad_max = [&] {
-    mx0 = max_nan(mx0, __shfl_xor_sync(0xffffffff, mx0, 1));
-    mx0 = max_nan(mx0, __shfl_xor_sync(0xffffffff, mx0, 2));
-    mx1 = max_nan(mx1, __shfl_xor_sync(0xffffffff, mx1, 1));
-    mx1 = max_nan(mx1, __shfl_xor_sync(0xffffffff, mx1, 2));
-  };
-  if constexpr (!SAGE_SM90_LATE_SHUFFLE) quad_max();
+  mx0 = max_nan(mx0, __shfl_xor_sync(0xffffffff, mx0, 1));
+  mx0 = max_nan(mx0, __shfl_xor_sync(0xffffffff, mx0, 2));
+  mx1 = max_nan(mx1, __shfl_xor_sync(0xffffffff, mx1, 1));
+  mx1 = max_nan(mx1, __shfl_xor_sync(0xffffffff, mx1, 2));
   if (SKIP && vote) {
     // The warpgroup's OR, then a warp vote of it: the same value, but one the compiler can see is uniform
     // across the warp, so the tensor-core instructions under it are not serialized.
-    const bool keep = SAGE_SM90_VOTE_PRED ? warpgroup_reaches(vote_barrier, e0, e1, log2_lam, ok0, ok1)
-                                          : warpgroup_any(vote_barrier, want);
-    if (!__any_sync(0xffffffff, keep)) return false;
-  }
-  // Where no thread's part of a row passes the running max, no row's max moved, whatever the other lanes hold,
-  // and max(m, mx) below is m with or without the shuffles (NaN takes them).
-  if constexpr (SAGE_SM90_LATE_SHUFFLE) {
-    if (__any_sync(0xffffffff, !(mx0 <= m_0) || !(mx1 <= m_1))) quad_max();
+    const bool keep = __any_sync(0xffffffff, warpgroup_any(vote_barrier, want));
+    if (!keep) return false;
   }
   const float mn0 = max_nan(m_0, mx0), mn1 = max_nan(m_1, mx1);
   const float mu[2] = {mn0 == NEG_INF ? 0.f : mn0, mn1 == NEG_INF ? 0.f : mn1};
