@@ -7,7 +7,8 @@
 # forwards with nvcc hidden: no FlashInfer JIT), `sweep` (K blocks of 16 and 128,
 # split per thread or not, beside cuDNN and SageAttention2), `sweep-vmean` (the same on V with a per-channel mean), `quantizer` (the
 # quantizer's launch settings), `probe` (the kernels' error on a model's activations), `ncu` (what bounds the
-# default build), `e2e` (Wan2.1-14B forwards), `skip-curve`, `ncu-skip` and `e2e-skip` (issue 34: what skipping tiles saves).
+# default build), `e2e` (Wan2.1-14B forwards), `skip-curve`, `ncu-skip`, `e2e-skip` and
+# `profile-e2e` (issue 34: what skipping tiles saves, and where a forward's time goes).
 # Results under $OUT (`e2e` needs FlashInfer's fa3 modules: source benchmarks/gpu_env.sh first, .jit carried).
 # Usage (carry .whl and .cubin-cache): bash benchmarks/sage_sm90_check.sh build tests sweep
 set -uo pipefail
@@ -83,6 +84,11 @@ print(len(build_kernels([v for v in VARIANTS if v.out_dtype == torch.bfloat16], 
         --iters 10 --no-triton-skip ${NVCC_ROWS:+--nvcc "$nvcc_path"} ${ALTERNATE:+--alternate-skip} \
         ${ALTERNATE_BUILDS:+--alternate-builds} \
         --out "$out/sage_sm90_skip_curve_reach$reach.json"
+    done ;;
+  profile-e2e)  # issue 34: where a Wan2.1-14B forward's GPU time goes, per kernel (torch.profiler): stock, int8, int8 + skip
+    for model in ${PROFILE_MODELS:-wan2.1-t2v-14b wan2.1-t2v-14b-720p}; do
+      timeout 200 python3 benchmarks/profile_e2e.py --model "$model" --configs stock,sage-int8,sage-int8+skip \
+        --threshold "${THRESHOLD:-0.03}" --out "$out/profile_e2e_$model.json" 2>&1 | grep -v "^\s*$" | tail -50
     done ;;
   ncu-skip)  # issue 34: one wan_14b_480p call (reach spread 1) with nothing skipped and with 40% skipped
     for target in 0 0.4; do
