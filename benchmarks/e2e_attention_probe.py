@@ -21,11 +21,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from diffusers_trtllm.bench.e2e import _Enough  # noqa: E402
+from diffusers_trtllm.bench.external import BASELINE_CUDA, external_impls  # noqa: E402
 from diffusers_trtllm.bench.inputs import SHAPES, spy_sdpa, structured_qkv  # noqa: E402
 from diffusers_trtllm.bench.models import MODELS, build_model, model_inputs  # noqa: E402
 from diffusers_trtllm.bench.timing import time_fn  # noqa: E402
@@ -97,7 +97,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     dev = torch.device("cuda")
-    quant = QuantConfig("int8", 1, 128, smooth_k=True, k_per_thread=True)  # the route's default
+    quant = QuantConfig("int8")  # the route's default: K blocks of 128 split per thread, smooth_k
     inputs = {"e2e call": recorded_call(args.model, args.call, dev)}
     for spread in (0.0, 1.0):
         inputs[f"bench, reach spread {spread:g}"] = tuple(
@@ -106,15 +106,9 @@ def main() -> None:
     for name, (q, k, v) in inputs.items():
         layout = PackedLayout.dense(1, q.shape[0], k.shape[0], dev)
         scale = q.shape[-1] ** -0.5
-        qh, kh, vh = (x.transpose(0, 1)[None] for x in (q, k, v))
         quantized = sage_sm90_quantize(q, k, v, layout, quant)
-
-        def cudnn():
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                return F.scaled_dot_product_attention(qh, kh, vh, scale=scale)
-
         calls = {
-            "cudnn": cudnn,
+            "cudnn": external_impls(dev, q.dtype)[BASELINE_CUDA][0](q[None], k[None], v[None], scale),
             "sage-sm90": lambda: sage_sm90_attention(q, k, v, layout, softmax_scale=scale, quant=quant),
             "kernel only": lambda: sage_sm90_attention(q, k, v, layout, softmax_scale=scale, quant=quant,
                                                        quantized=quantized),

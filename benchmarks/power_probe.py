@@ -21,11 +21,10 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from diffusers_trtllm.bench.external import BASELINE_CUDA, external_impls  # noqa: E402
 from diffusers_trtllm.bench.inputs import SHAPES, structured_qkv  # noqa: E402
 from diffusers_trtllm.bench.suite import heads_subset  # noqa: E402
 from diffusers_trtllm.config import QuantConfig  # noqa: E402
@@ -49,25 +48,18 @@ def main() -> None:
     shape = SHAPES[args.shape]
     q, k, v = (x[0].contiguous() for x in structured_qkv(shape, 0.5, device=dev, reach_spread=1.0))
     layout = PackedLayout.dense(1, q.shape[0], k.shape[0], dev)
-    quant = QuantConfig("int8", 1, 128, smooth_k=True, k_per_thread=True)  # the route's default
+    quant = QuantConfig("int8")  # the route's default: K blocks of 128 split per thread, smooth_k
     scale = shape.head_dim**-0.5
     quantized = sage_sm90_quantize(q, k, v, layout, quant)
     heads = heads_subset(shape.heads, 4)  # as the attention benchmark finds its skip factors
     lam = threshold_for(tile_criticals(q[:, heads], k[:, heads], scale, 64, 128), args.target_skip)
-    qh, kh, vh = (x.transpose(0, 1)[None] for x in (q, k, v))
-
-    def cudnn():
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            return F.scaled_dot_product_attention(qh, kh, vh, scale=scale)
-
-    calls = {"cudnn": cudnn}
-    try:
-        import sageattention
-
-        k_own = k.clone()[None]  # sageattn smooths K in place
-        calls["sageattn"] = lambda: sageattention.sageattn(q[None], k_own, v[None], tensor_layout="NHD", sm_scale=scale)
-    except ImportError as err:
-        print("sageattn unavailable:", err)
+    calls = {}
+    for label, name in (("cudnn", BASELINE_CUDA), ("sageattn", "sageattn")):
+        prepare, missing = external_impls(dev, q.dtype)[name]
+        if missing:
+            print(f"{label} unavailable: {missing}")
+        else:
+            calls[label] = prepare(q[None], k[None], v[None], scale)
     calls["sage-sm90"] = lambda: sage_sm90_attention(q, k, v, layout, softmax_scale=scale, quant=quant)
     calls["sage-sm90 kernel only"] = lambda: sage_sm90_attention(q, k, v, layout, softmax_scale=scale, quant=quant,
                                                                  quantized=quantized)
