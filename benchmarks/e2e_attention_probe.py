@@ -31,10 +31,10 @@ from diffusers_trtllm.bench.models import MODELS, build_model, model_inputs  # n
 from diffusers_trtllm.bench.timing import time_fn  # noqa: E402
 from diffusers_trtllm.config import QuantConfig  # noqa: E402
 from diffusers_trtllm.kernels.sage_sm90 import sage_sm90_attention, sage_sm90_quantize  # noqa: E402
+from diffusers_trtllm.kernels.triton_attn import LOG2E  # noqa: E402
+from diffusers_trtllm.kernels.triton_quant import TritonSage  # noqa: E402
 from diffusers_trtllm.layout import PackedLayout  # noqa: E402
 from diffusers_trtllm.locality import local_attention  # noqa: E402
-
-LOG2E = 1.4426950408889634
 
 
 def recorded_call(model_name: str, call: int, device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -64,14 +64,12 @@ def recorded_call(model_name: str, call: int, device: torch.device) -> tuple[tor
     return tuple(seen)
 
 
-def branch_shares(q: torch.Tensor, k: torch.Tensor, scale: float, quant: QuantConfig, heads: int = 4) -> dict:
-    """Share of (16-row, 128-key tile) pairs that rescale O, and that take the exact exponent path (first heads)."""
-    layout = PackedLayout.dense(1, q.shape[0], k.shape[0], q.device)
-    st = sage_sm90_quantize(q, k, k, layout, quant)
+def branch_shares(q: torch.Tensor, k: torch.Tensor, scale: float, st: TritonSage, heads: int = 4) -> dict:
+    """Share of (16-row, 128-key tile) pairs that rescale O, and that take the exact exponent path (first heads),
+    from ``st``, what the route's quantizer made of ``q`` and ``k``."""
     tokens = q.shape[0]
     n_tiles = math.ceil(tokens / 128)
-    qmax = (st.q_scale[:heads, :tokens] * scale * LOG2E)
-    qmax = torch.nn.functional.pad(qmax, (0, (-tokens) % 16)).view(heads, -1, 16).amax(-1)
+    qmax = F.pad(st.q_scale[:heads, :tokens] * scale * LOG2E, (0, (-tokens) % 16)).view(heads, -1, 16).amax(-1)
     kmax = st.k_scale[:heads, : 4 * n_tiles].reshape(heads, n_tiles, 4).amax(-1)
     exact = (qmax[:, :, None] * kmax[:, None, :] >= 2.0**-8).float().mean().item()
     moved = total = 0
@@ -119,12 +117,13 @@ def main() -> None:
         stats = sage_sm90_attention(q, k, v, layout, softmax_scale=scale, quant=quant,
                                     skip_factor=args.threshold * k.shape[0], collect_stats=True)
         row["skipped"] = stats.skipped_tiles / stats.total_tiles
-        row.update(branch_shares(q, k, scale, quant))
+        row.update(branch_shares(q, k, scale, quantized))
         row.update(q_rms=q.float().pow(2).mean().sqrt().item(), k_rms=k.float().pow(2).mean().sqrt().item())
         report[name] = row
         print(name, " ".join(f"{key} {val:.4g}" for key, val in row.items()), flush=True)
     if args.out is not None:
-        result = {"gpu": torch.cuda.get_device_name(), "command": " ".join(sys.argv), "inputs": report}
+        result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv),
+                  "inputs": report}
         args.out.write_text(json.dumps(result, indent=1))
         args.out.with_suffix(".md").write_text(markdown(result))
 

@@ -53,9 +53,9 @@ def main() -> None:
     quantized = sage_sm90_quantize(q, k, v, layout, quant)
     heads = heads_subset(shape.heads, 4)  # as the attention benchmark finds its skip factors
     lam = threshold_for(tile_criticals(q[:, heads], k[:, heads], scale, 64, 128), args.target_skip)
-    calls = {}
+    calls, baselines = {}, external_impls(dev, q.dtype)
     for label, name in (("cudnn", BASELINE_CUDA), ("sageattn", "sageattn")):
-        prepare, missing = external_impls(dev, q.dtype)[name]
+        prepare, missing = baselines[name]
         if missing:
             print(f"{label} unavailable: {missing}")
         else:
@@ -95,7 +95,7 @@ def main() -> None:
             rows.append({"gemms_before": before, "call": name, "ms": ms, "sm_clock_mhz": statistics.median(clocks),
                          "power_w": watts, "joules": watts * ms / 1000})
             print(rows[-1], flush=True)
-    base = {(r["gemms_before"]): r["ms"] for r in rows if r["call"] == "cudnn"}
+    base = {r["gemms_before"]: r["ms"] for r in rows if r["call"] == "cudnn"}
     for r in rows:
         r["vs_cudnn"] = base[r["gemms_before"]] / r["ms"]
     if args.out is not None:
