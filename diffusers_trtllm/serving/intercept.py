@@ -1,7 +1,8 @@
 """Routing a family's core attention call to our kernels, keeping everything else stock.
 
 Each family's own processor (projections, QK norm, RoPE, text concatenation) keeps
-running; only the attention call inside it is redirected. While one of our layers
+running; only the attention call inside it is redirected (and, for the processors
+:mod:`.rotary` lists, the rotary embedding it was handed is applied at that call instead). While one of our layers
 runs its stock processor, this thread's :data:`_CALL` names that layer, and the
 functions the processor reaches for are rebound in its module:
 
@@ -40,6 +41,7 @@ import torch.nn.functional as torch_F
 from .._logging import info_once, warn_once
 from .guidance import attention_scores_skipped
 from .parallel import Degrees, context_parallel_attention, served_degrees
+from .rotary import take_rotary
 
 __all__ = [
     "register_layer", "unregister_layer", "live_layers", "call_stock", "ensure_routing", "restore_globals",
@@ -172,18 +174,22 @@ def _mask_source(mask_params: tuple[tuple[int, str], ...], args: tuple, kwargs: 
 
 def call_stock(state: Any, attn: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
     """Run the layer's stock processor with this thread's calls to it routed to ``state``."""
-    previous = getattr(_CALL, "layer", None)
+    previous, previous_rotary = getattr(_CALL, "layer", None), getattr(_CALL, "rotary", None)
     _CALL.layer = state
     _CALL.mask_source = _mask_source(state.mask_params, args, kwargs)
     hidden = _argument(state.hidden_index, "hidden_states", args, kwargs)
     encoder = _argument(state.encoder_index, "encoder_hidden_states", args, kwargs)
     _CALL.hidden_len = _tokens(hidden)
     _CALL.encoder_len = -1 if encoder is hidden else _tokens(encoder)  # OmniGen passes hidden states twice
+    _CALL.rotary = None
+    if state.rotary is not None:  # we rotate Q and K at its attention call (serving.rotary)
+        args, kwargs, _CALL.rotary = take_rotary(state.rotary, attn, args, kwargs)
     try:
         return state.stock(attn, *args, **kwargs)
     finally:
         _CALL.layer = previous
         _CALL.mask_source = None
+        _CALL.rotary = previous_rotary
 
 
 #: ``_route``'s default mask source: the one this thread's processor call passed.
@@ -296,6 +302,10 @@ def _routed_dispatch(original: Callable) -> Callable:
 
     def dispatch_attention_fn(query, key, value, *args, **kwargs):
         state = getattr(_CALL, "layer", None)
+        turn = getattr(_CALL, "rotary", None)
+        if turn is not None:  # the rotation the processor left to us, whichever way the call goes
+            _CALL.rotary = None
+            query, key = turn(query, key)
         if state is not None:
             served, why = _servable_arguments(names, args, kwargs, query, key)
             if served is None:

@@ -24,6 +24,7 @@ from ..layout import MaskNotSupportedError, PackedLayout, query_key_masks
 from ..stats import LayerStats, StepRecord
 from . import intercept
 from .roles import guess_role, observed_role
+from .rotary import DeferredRotary, deferred_rotary
 
 if TYPE_CHECKING:
     from .processor import Settings, TrtllmAttnProcessor
@@ -92,6 +93,8 @@ class LayerState:
         self.mask_params: tuple[tuple[int, str], ...] = ()
         self.hidden_index: int | None = None
         self.encoder_index: int | None = None
+        #: The stock processor's rotation, when we apply it at the attention call (``serving.rotary``).
+        self.rotary: DeferredRotary | None = None
         self._settings: "Settings | None" = None
         self.key = intercept.register_layer(self)
 
@@ -129,6 +132,7 @@ class LayerState:
         """Adopt ``stock`` as the family processor that does everything but the attention call."""
         self.stock = stock
         self.mode, self.reason = (None, "no stock processor is known") if stock is None else intercept.serving_mode(stock)
+        self.rotary = deferred_rotary(stock) if self.mode == "dispatch" else None
         self.module_is_cross = getattr(module, "is_cross_attention", None)
         if not self.role_observed:
             self.role = guess_role(self.name, module)

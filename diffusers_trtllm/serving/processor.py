@@ -9,7 +9,8 @@ processor where the model has ``set_attn_processor``::
 
 Every attention module keeps its family's stock processor (projections, QK norm, RoPE
 stay Diffusers'); only the core attention call is routed to our kernels
-(:mod:`diffusers_trtllm.serving.intercept`). Per-layer state lives on the module it serves
+(:mod:`diffusers_trtllm.serving.intercept`), and Wan's rotary embedding is applied by one launch of ours
+with the same values (:mod:`diffusers_trtllm.serving.rotary`). Per-layer state lives on the module it serves
 (:mod:`diffusers_trtllm.serving.layer`); statistics in :mod:`diffusers_trtllm.stats`. This
 module holds the settings, resolves them per role and layer, and gives each layer what it
 needs through a small public surface (``settings_for``, ``call_observer``,

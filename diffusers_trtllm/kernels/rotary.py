@@ -1,0 +1,130 @@
+"""Rotary position embedding over interleaved pairs (Wan's rule), Q and K in one launch.
+
+Wan's attention processor turns each pair ``(x[2j], x[2j + 1])`` of a head by the angle whose cosine is
+``freqs_cos[..., 2j]`` and sine ``freqs_sin[..., 2j + 1]``::
+
+    out[2j]     = x[2j] * cos - x[2j + 1] * sin
+    out[2j + 1] = x[2j] * sin + x[2j + 1] * cos
+
+in float32 (the frequencies' dtype), rounded back to ``x``'s dtype. Eager torch spends eight launches a tensor
+on it, through float32 intermediates and strided copies: about 7 ms of every layer of a Wan2.1-14B 480p forward on
+an H200 (docs/design.md, "Rotary embeddings in one launch"). :func:`rotate_interleaved` does Q and K in one Triton
+launch that reads each once and writes each once, bit for bit the same values: every product and sum is rounded
+on its own, as torch's separate launches round them (no fused multiply-add), and the cast rounds to nearest even.
+Elsewhere (CPU, ``torch.compile``, whose Inductor fuses the torch form itself, or inputs outside the kernel's
+layout) :func:`rotate_interleaved_reference` computes the same in torch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the torch form serves every call
+    triton = None
+
+__all__ = ["rotate_interleaved", "rotate_interleaved_reference", "fused_rotary_reasons"]
+
+#: Tokens per program: with 128-dim heads, each head's step moves a 4 KB tile of Q or K in and out.
+ROTARY_BLOCK_S = 16
+_FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def rotate_interleaved_reference(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[B, S, H, D]`` turned pair by pair, in torch (the frequencies broadcast against ``x``)."""
+    first, second = x.unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = freqs_cos[..., 0::2], freqs_sin[..., 1::2]
+    turned = torch.stack((first * cos - second * sin, first * sin + second * cos), dim=-1)
+    return turned.flatten(-2).to(x.dtype)
+
+
+def fused_rotary_reasons(query: torch.Tensor, key: torch.Tensor, freqs_cos: torch.Tensor,
+                         freqs_sin: torch.Tensor) -> list[str]:
+    """Why the one-launch kernel cannot rotate these tensors (empty: it can)."""
+    reasons = []
+    if triton is None:
+        reasons.append("needs the triton package")
+    if not (query.is_cuda and key.is_cuda and freqs_cos.is_cuda and freqs_sin.is_cuda):
+        reasons.append("needs CUDA tensors")
+    if torch.compiler.is_compiling():
+        reasons.append("under torch.compile (Inductor fuses the torch form)")
+    if query.dtype != key.dtype or query.dtype not in _FUSED_DTYPES:
+        reasons.append(f"Q and K must share one of {_FUSED_DTYPES}; got {query.dtype}, {key.dtype}")
+    if freqs_cos.dtype != torch.float32 or freqs_sin.dtype != torch.float32:
+        reasons.append(f"frequencies must be float32; got {freqs_cos.dtype}, {freqs_sin.dtype}")
+    if query.ndim != 4 or key.ndim != 4 or freqs_cos.ndim != 4 or freqs_sin.shape != freqs_cos.shape:
+        reasons.append("Q and K must be [B, S, H, D] and the frequencies [1 or B, S, 1, D]")
+        return reasons
+    batch, tokens, _, dim = query.shape
+    if key.shape[0] != batch or key.shape[1] != tokens or key.shape[3] != dim:
+        reasons.append(f"K {tuple(key.shape)} must have Q's batch, tokens and head dim {tuple(query.shape)}")
+    if freqs_cos.shape[0] not in (1, batch) or tuple(freqs_cos.shape[1:]) != (tokens, 1, dim):
+        reasons.append(f"frequencies {tuple(freqs_cos.shape)} must be [1 or {batch}, {tokens}, 1, {dim}]")
+    if dim < 2 or dim & (dim - 1):
+        reasons.append(f"head dim {dim} must be a power of two")
+    if any(t.stride(-1) != 1 for t in (query, key, freqs_cos, freqs_sin)):
+        reasons.append("the head dim must be contiguous in Q, K and the frequencies")
+    return reasons
+
+
+def rotate_interleaved(query: torch.Tensor, key: torch.Tensor, freqs_cos: torch.Tensor,
+                       freqs_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q and K ``[B, S, H, D]`` (their own head counts) turned by ``[1 or B, S, 1, D]`` float32 frequencies;
+    new contiguous tensors, one launch where ``fused_rotary_reasons`` finds nothing against it."""
+    if fused_rotary_reasons(query, key, freqs_cos, freqs_sin):
+        return (rotate_interleaved_reference(query, freqs_cos, freqs_sin),
+                rotate_interleaved_reference(key, freqs_cos, freqs_sin))
+    with torch.cuda.device(query.device):
+        return _launch(query, key, freqs_cos, freqs_sin)
+
+
+def _launch(query: torch.Tensor, key: torch.Tensor, freqs_cos: torch.Tensor,
+            freqs_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's launch, inputs as ``fused_rotary_reasons`` accepts them (the interpreter's tests call it)."""
+    batch, tokens, _, dim = query.shape
+    q_out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    k_out = torch.empty(key.shape, dtype=key.dtype, device=key.device)
+    if tokens == 0:
+        return q_out, k_out
+
+    def batch_stride(freqs: torch.Tensor) -> int:
+        return freqs.stride(0) if freqs.shape[0] > 1 else 0
+
+    _rotate_kernel[(triton.cdiv(tokens, ROTARY_BLOCK_S), batch)](
+        query, key, q_out, k_out, freqs_cos, freqs_sin, tokens, query.shape[2], key.shape[2],
+        query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
+        batch_stride(freqs_cos), freqs_cos.stride(1), batch_stride(freqs_sin), freqs_sin.stride(1),
+        HALF=dim // 2, BLOCK_S=ROTARY_BLOCK_S, num_warps=4, enable_fp_fusion=False,
+    )
+    return q_out, k_out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rotate_heads(x, out, batch, tok, keep, tokens, heads, s_b, s_s, s_h, cos, sin, HALF: tl.constexpr):
+        """Every head of one tensor for this program's tokens; ``out`` is contiguous ``[B, S, heads, 2 * HALF]``."""
+        col = tl.arange(0, 2 * HALF)
+        for h in range(heads):
+            src = x + batch * s_b + tok[:, None] * s_s + h * s_h + col[None, :]
+            both = tl.reshape(tl.load(src, mask=keep, other=0.0).to(tl.float32), (tok.shape[0], HALF, 2))
+            first, second = tl.split(both)
+            turned = tl.join(first * cos - second * sin, first * sin + second * cos)
+            dst = out + ((batch * tokens + tok[:, None]) * heads + h) * (2 * HALF) + col[None, :]
+            tl.store(dst, tl.reshape(turned, (tok.shape[0], 2 * HALF)).to(out.dtype.element_ty), mask=keep)
+
+    @triton.jit
+    def _rotate_kernel(q, k, q_out, k_out, freqs_cos, freqs_sin, tokens, q_heads, k_heads,
+                       q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, fc_sb, fc_ss, fs_sb, fs_ss,
+                       HALF: tl.constexpr, BLOCK_S: tl.constexpr):
+        """Program (token block, batch row): the pair angles of its tokens read once, then every head of Q and K."""
+        batch = tl.program_id(1)
+        tok = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
+        pair = tl.arange(0, HALF)
+        keep = tok[:, None] < tokens
+        cos = tl.load(freqs_cos + batch * fc_sb + tok[:, None] * fc_ss + 2 * pair[None, :], mask=keep, other=0.0)
+        sin = tl.load(freqs_sin + batch * fs_sb + tok[:, None] * fs_ss + 2 * pair[None, :] + 1, mask=keep, other=0.0)
+        _rotate_heads(q, q_out, batch, tok, keep, tokens, q_heads, q_sb, q_ss, q_sh, cos, sin, HALF)
+        _rotate_heads(k, k_out, batch, tok, keep, tokens, k_heads, k_sb, k_ss, k_sh, cos, sin, HALF)

@@ -1,0 +1,90 @@
+"""Rotary embeddings applied in a family processor's stead, where its eager form is slow.
+
+A stock processor listed in :data:`DEFERRED` is called with its rotary argument set to None; its attention call
+then gets Q and K turned by our one-launch kernel (:func:`diffusers_trtllm.kernels.rotary.rotate_interleaved`,
+bit for bit the processor's values) before anything sees them: our kernels, the stock fallback, the
+calibration pass. That holds only where the processor makes one attention call and rotates exactly its Q and K:
+Wan's attention without image projections (with them, the image call's keys are not rotated, so the layer keeps
+its own rotation). Where ``serves`` says no, or the call passes no rotary argument, nothing changes.
+docs/design.md, "Rotary embeddings in one launch".
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..kernels.rotary import rotate_interleaved
+
+__all__ = ["DeferredRotary", "DEFERRED", "deferred_rotary", "take_rotary"]
+
+#: What turns Q and K at the attention call: ``turn(query, key) -> (query, key)``.
+Turn = Callable[[torch.Tensor, torch.Tensor], "tuple[torch.Tensor, torch.Tensor]"]
+
+
+@dataclass(frozen=True)
+class DeferredRotary:
+    """How one stock processor class's rotation is taken over."""
+
+    #: The processor's parameter holding the rotary embedding.
+    argument: str
+    #: ``rotate(query, key, embedding)``: Q and K as the processor would have rotated them.
+    rotate: Callable[[torch.Tensor, torch.Tensor, Any], "tuple[torch.Tensor, torch.Tensor]"]
+    #: Whether this module's call rotates the Q and K of its only attention call.
+    serves: Callable[[torch.nn.Module], bool]
+    #: The parameter's position after ``attn`` (filled by ``deferred_rotary`` from the signature).
+    index: int = -1
+
+
+def _wan_rotate(query: torch.Tensor, key: torch.Tensor, rotary_emb: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    freqs_cos, freqs_sin = rotary_emb
+    return rotate_interleaved(query, key, freqs_cos, freqs_sin)
+
+
+def _without_image_projections(attn: torch.nn.Module) -> bool:
+    return getattr(attn, "add_k_proj", None) is None
+
+
+_WAN = DeferredRotary("rotary_emb", _wan_rotate, _without_image_projections)
+#: Stock processor classes (module and qualified name, matched exactly: a subclass may rotate otherwise). Wan's and
+#: the families whose processors are copies of it (ChronoEdit, Wan-Animate, SkyReels-V2).
+DEFERRED: dict[str, DeferredRotary] = {
+    f"diffusers.models.transformers.{name}": _WAN for name in (
+        "transformer_wan.WanAttnProcessor", "transformer_chronoedit.WanAttnProcessor",
+        "transformer_wan_animate.WanAttnProcessor", "transformer_skyreels_v2.SkyReelsV2AttnProcessor")
+}
+
+
+def deferred_rotary(stock: Any) -> DeferredRotary | None:
+    """``stock``'s entry in :data:`DEFERRED`, with its argument's position; None when its class is not listed."""
+    cls = type(stock)
+    entry = DEFERRED.get(f"{cls.__module__}.{cls.__qualname__}")
+    if entry is None:
+        return None
+    params = list(inspect.signature(cls.__call__).parameters)[2:]  # after self, attn
+    if entry.argument not in params:
+        return None
+    return DeferredRotary(entry.argument, entry.rotate, entry.serves, params.index(entry.argument))
+
+
+def take_rotary(deferred: DeferredRotary, attn: torch.nn.Module, args: tuple,
+                kwargs: dict) -> tuple[tuple, dict, Turn | None]:
+    """``args`` and ``kwargs`` with the rotary argument taken out (None), and what turns Q and K in its stead;
+    unchanged, with None, where this call has nothing to take."""
+    if not deferred.serves(attn):
+        return args, kwargs, None
+    if deferred.argument in kwargs:
+        embedding = kwargs[deferred.argument]
+        kwargs = {**kwargs, deferred.argument: None}
+    elif deferred.index < len(args):
+        embedding = args[deferred.index]
+        args = args[:deferred.index] + (None,) + args[deferred.index + 1:]
+    else:
+        return args, kwargs, None
+    if embedding is None:
+        return args, kwargs, None
+    return args, kwargs, lambda query, key: deferred.rotate(query, key, embedding)

@@ -1,0 +1,180 @@
+"""Wan's rotary embedding applied by us at the attention call (``serving.rotary``, ``kernels.rotary``): the same
+values as Wan's own processor, on the CPU through the torch form and in Triton's interpreter through the kernel;
+the layers where it must not happen keep their own rotation."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import tiny_models
+from conftest import requires_cuda
+from diffusers_trtllm import TrtllmAttnProcessor, install
+from diffusers_trtllm.kernels import rotary
+from diffusers_trtllm.serving import rotary as serving_rotary
+from diffusers_trtllm.serving.layer import layer_of
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def wan_rotation(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:
+    """Wan's processor's rotation, op for op (diffusers' transformer_wan, ``apply_rotary_emb``)."""
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = freqs_cos[..., 0::2], freqs_sin[..., 1::2]
+    out = torch.empty_like(x)
+    out[..., 0::2] = x1 * cos - x2 * sin
+    out[..., 1::2] = x1 * sin + x2 * cos
+    return out.type_as(x)
+
+
+def frequencies(batch: int, tokens: int, dim: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    angle = torch.randn(batch, tokens, 1, dim // 2, generator=torch.Generator().manual_seed(seed)) * 8
+    return angle.cos().repeat_interleave(2, -1), angle.sin().repeat_interleave(2, -1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_torch_form_is_wans_bit_for_bit(dtype):
+    x = (torch.randn(2, 19, 3, 16, generator=torch.Generator().manual_seed(1)) * 4).to(dtype)
+    cos, sin = frequencies(1, 19, 16)
+    assert torch.equal(rotary.rotate_interleaved_reference(x, cos, sin), wan_rotation(x, cos, sin))
+
+
+def test_kernel_reasons_name_what_is_wrong():
+    x = torch.zeros(1, 4, 2, 12)
+    cos, sin = frequencies(1, 4, 12)
+    reasons = rotary.fused_rotary_reasons(x, x, cos, sin)
+    assert any("CUDA" in r for r in reasons) and any("power of two" in r for r in reasons)
+    assert any("[1 or 1, 4, 1, 8]" in r for r in rotary.fused_rotary_reasons(x[..., :8], x[..., :8], cos, sin))
+    # Off the kernel's layout, the torch form answers: the same values.
+    q, k = rotary.rotate_interleaved(x + 1, x - 1, cos, sin)
+    assert torch.equal(q, wan_rotation(x + 1, cos, sin)) and torch.equal(k, wan_rotation(x - 1, cos, sin))
+
+
+# ---- the kernel under Triton's interpreter (a child process: TRITON_INTERPRET is read at import) ---------------
+_CHILD = r"""
+import json, torch
+from diffusers_trtllm.kernels import rotary
+cases = []
+for dtype in (torch.bfloat16, torch.float16, torch.float32):
+    for batch, tokens, heads, k_heads, dim, freq_batch in ((1, 37, 3, 3, 16, 1), (2, 20, 2, 1, 8, 2), (2, 5, 1, 2, 4, 1)):
+        g = torch.Generator().manual_seed(tokens)
+        wide = (torch.randn(batch, tokens, heads * dim + 5, generator=g) * 4).to(dtype)
+        q = wide[..., : heads * dim].unflatten(-1, (heads, dim))  # tokens strided, as a projection's view
+        k = (torch.randn(batch, tokens, k_heads, dim, generator=g) * 4).to(dtype)
+        angle = torch.randn(freq_batch, tokens, 1, dim // 2, generator=g) * 8
+        cos, sin = angle.cos().repeat_interleave(2, -1), angle.sin().repeat_interleave(2, -1)
+        got = rotary._launch(q, k, cos, sin)
+        ok = []
+        for x, out in zip((q, k), got):
+            exact = rotary.rotate_interleaved_reference(x.float(), cos, sin)
+            # The interpreter casts float32 to bfloat16 by truncation (the GPU rounds to nearest even, as torch):
+            # there the kernel's float32 values are checked through that cast.
+            want = ((exact.view(torch.int32) & ~0xFFFF).view(torch.float32).to(dtype) if dtype == torch.bfloat16
+                    else exact.to(dtype))
+            ok.append(bool(torch.equal(out, want)) and out.is_contiguous())
+        cases.append({"case": f"{dtype} {tuple(q.shape)} k{tuple(k.shape)} freqs batch {freq_batch}", "ok": all(ok)})
+print(json.dumps(cases))
+"""
+
+
+def test_kernel_under_interpreter_gives_the_torch_values():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, env=env, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    cases = json.loads(run.stdout.strip().splitlines()[-1])
+    assert len(cases) == 9 and all(c["ok"] for c in cases), cases
+
+
+# ---- at the attention call ---------------------------------------------------------------------------------
+def _count_rotations(monkeypatch) -> list[tuple[int, ...]]:
+    seen: list[tuple[int, ...]] = []
+    original = serving_rotary.DEFERRED[next(iter(serving_rotary.DEFERRED))].rotate
+
+    def counting(query, key, embedding):
+        seen.append(tuple(query.shape))
+        return original(query, key, embedding)
+
+    for name, entry in list(serving_rotary.DEFERRED.items()):
+        monkeypatch.setitem(serving_rotary.DEFERRED, name, serving_rotary.DeferredRotary(entry.argument, counting,
+                                                                                         entry.serves))
+    return seen
+
+
+@pytest.mark.parametrize("family", ["wan_t2v", "wan_i2v"])
+def test_wan_forward_is_stocks_bit_for_bit_with_our_rotation(family, monkeypatch):
+    seen = _count_rotations(monkeypatch)
+    model, inputs = tiny_models.build(family)
+    with torch.no_grad():
+        stock = model(**inputs)[0]
+        install(model, TrtllmAttnProcessor())
+        ours = model(**inputs)[0]
+    assert torch.equal(ours, stock)
+    deferred = [m for m in model.modules() if layer_of(m) is not None and layer_of(m).rotary is not None]
+    # Self-attention (attn1) of each block; I2V's cross-attention has image projections and no rotary argument.
+    assert {type(m).__name__ for m in deferred} == {"WanAttention"} and len(deferred) == 2 * len(model.blocks)
+    assert len(seen) == len(model.blocks)  # one rotation per self-attention call, none for cross-attention
+
+
+def test_image_projections_keep_their_own_rotation():
+    entry = serving_rotary.deferred_rotary(_wan_processor())
+    assert entry is not None and entry.index == 3  # (hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
+    assert pickle.loads(pickle.dumps(entry)) == entry  # pickled with a model's layer states: no lambda held
+
+    class WithImage(torch.nn.Module):
+        add_k_proj = torch.nn.Linear(2, 2)
+
+    cos_sin = (torch.ones(1), torch.zeros(1))
+    args = ("h", None, None, cos_sin)
+    assert serving_rotary.take_rotary(entry, WithImage(), args, {}) == (args, {}, None)
+    plain = torch.nn.Module()
+    taken_args, taken_kwargs, turn = serving_rotary.take_rotary(entry, plain, args, {})
+    assert taken_args == ("h", None, None, None) and turn is not None
+    _, kwargs, turn = serving_rotary.take_rotary(entry, plain, ("h",), {"rotary_emb": cos_sin})
+    assert kwargs == {"rotary_emb": None} and turn is not None
+    assert serving_rotary.take_rotary(entry, plain, ("h",), {})[2] is None  # no rotary passed: nothing to take
+
+
+def test_subclasses_are_not_deferred():
+    from diffusers.models.transformers.transformer_wan import WanAttnProcessor
+
+    class Custom(WanAttnProcessor):
+        pass
+
+    assert serving_rotary.deferred_rotary(Custom()) is None
+
+
+def _wan_processor():
+    from diffusers.models.transformers.transformer_wan import WanAttnProcessor
+
+    return WanAttnProcessor()
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_kernel_on_gpu_is_wans_bit_for_bit(dtype):
+    g = torch.Generator().manual_seed(0)
+    wide = (torch.randn(2, 1000, 4 * 128 + 64, generator=g) * 4).to(dtype).cuda()
+    q = wide[..., : 4 * 128].unflatten(-1, (4, 128))
+    k = (torch.randn(2, 1000, 2, 128, generator=g) * 4).to(dtype).cuda()
+    cos, sin = (f.cuda() for f in frequencies(1, 1000, 128))
+    assert rotary.fused_rotary_reasons(q, k, cos, sin) == []
+    q_out, k_out = rotary.rotate_interleaved(q, k, cos, sin)
+    assert torch.equal(q_out, wan_rotation(q, cos, sin)) and torch.equal(k_out, wan_rotation(k, cos, sin))
+
+
+@pytest.mark.parametrize("name", sorted(serving_rotary.DEFERRED))
+def test_every_listed_processor_exists_and_takes_the_argument(name):
+    import importlib
+
+    module, cls = name.rsplit(".", 1)
+    entry = serving_rotary.deferred_rotary(getattr(importlib.import_module(module), cls)())
+    assert entry is not None and entry.index == 3
