@@ -54,10 +54,10 @@ def measure(shape_name: str, device: torch.device, iters: int) -> dict:
             q, k = seen["q"], seen["k"]
             processor(attn, hidden, rotary_emb=freqs)
             stock_q, stock_k = seen["q"], seen["k"]
-            with_rope = time_fn(lambda: processor(attn, hidden, rotary_emb=freqs), device, iters=iters).ms
-            without = time_fn(lambda: processor(attn, hidden, rotary_emb=None), device, iters=iters).ms
+            with_rope = time_fn(lambda: processor(attn, hidden, rotary_emb=freqs), device, iters=iters).median_ms
+            without = time_fn(lambda: processor(attn, hidden, rotary_emb=None), device, iters=iters).median_ms
             ours_q, ours_k = rotate_interleaved(q, k, *freqs)
-            ours = time_fn(lambda: rotate_interleaved(q, k, *freqs), device, iters=iters).ms
+            ours = time_fn(lambda: rotate_interleaved(q, k, *freqs), device, iters=iters).median_ms
     finally:
         transformer_wan.dispatch_attention_fn = original
     return {

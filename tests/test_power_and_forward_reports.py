@@ -1,4 +1,4 @@
-"""The reports of ``benchmarks/profile_e2e.py``, ``power_probe.py`` and ``e2e_attention_probe.py`` (their GPU parts
+"""The reports of ``benchmarks/profile_e2e.py``, ``power_probe.py``, ``e2e_attention_probe.py`` and ``bench_rotary.py`` (their GPU parts
 run on the device; what the results keep is built here from fixed numbers)."""
 
 from __future__ import annotations
@@ -46,3 +46,14 @@ def test_attention_probe_table_has_a_column_per_measure():
                                                                  "bench": {"cudnn": 37.06, "skipped": 0.8622}}})
     assert "| input | cudnn | skipped |" in text
     assert "| e2e call | 36 | 0.369 |" in text and "| bench | 37.06 | 0.8622 |" in text
+
+
+def test_rotary_bench_gives_the_saving_and_flags_a_mismatch():
+    bench_rotary = _script("bench_rotary")
+    row = {"shape": "wan_14b_480p", "tokens": 32760, "stock_processor_ms": 16.0, "stock_processor_without_rotary_ms": 10.0,
+           "stock_rotary_ms": 6.0, "ours_ms": 0.5, "fused": True, "bit_equal": True}
+    result = {"environment": {"gpu": "G", "torch": "T", "triton": "3", "diffusers": "D"}, "command": "c",
+              "rows": [row, {**row, "shape": "other", "bit_equal": False}]}
+    text = bench_rotary.markdown(result)
+    assert "| wan_14b_480p | 32760 | 16.00 | 10.00 | 6.00 | 0.500 | 5.50 | yes |" in text
+    assert "| other | 32760 | 16.00 | 10.00 | 6.00 | 0.500 | 5.50 | **no** |" in text

@@ -178,3 +178,37 @@ def test_every_listed_processor_exists_and_takes_the_argument(name):
     module, cls = name.rsplit(".", 1)
     entry = serving_rotary.deferred_rotary(getattr(importlib.import_module(module), cls)())
     assert entry is not None and entry.index == 3
+
+
+def test_kernel_compiles_for_hopper_without_fused_multiply_adds():
+    """Through Triton's whole GPU pipeline without a GPU, specialized as a Wan2.1-14B 480p launch: no FMA in the PTX
+    (each product rounded on its own, as torch's launches round them: the bit-for-bit claim), and Q/K moved in
+    16-byte vectors."""
+    triton = pytest.importorskip("triton")
+    import re
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import mangle_type
+
+    kernel = rotary._rotate_kernel
+    bf16, f32 = torch.empty(16, dtype=torch.bfloat16), torch.empty(16, dtype=torch.float32)
+    tokens, width = 32760, 40 * 128
+    args = (bf16, bf16, bf16, bf16, f32, f32, tokens, 40, 40, tokens * 3 * width, 3 * width, 128, tokens * width, width,
+            128, 0, 128, 0, 128)  # Q a view into fused QKV projections, K contiguous, frequencies [1, S, 1, 128]
+    constexprs = dict(HALF=64, BLOCK_S=rotary.ROTARY_BLOCK_S)
+    signature = {name: mangle_type(arg) for name, arg in zip(kernel.arg_names, args)}
+    signature.update({name: "constexpr" for name in constexprs})
+    aligned = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(args)
+               if isinstance(arg, torch.Tensor) or (isinstance(arg, int) and arg and arg % 16 == 0)}
+    try:
+        compiled = triton.compile(ASTSource(kernel, signature, constexprs, aligned), target=GPUTarget("cuda", 90, 32),
+                                  options=dict(num_warps=4, enable_fp_fusion=False))
+    except Exception as exc:  # a Triton without the CUDA backend, not a kernel bug
+        if "backend" in str(exc).lower() and "cuda" in str(exc).lower():
+            pytest.skip(f"this Triton cannot compile for CUDA: {exc}")
+        raise
+    ptx = compiled.asm["ptx"]
+    assert not re.search(r"\bfma\.", ptx)
+    assert set(re.findall(r"st\.global[.\w]*", ptx)) == {"st.global.v4.b32"}
+    assert "ld.global.v4.b32" in ptx

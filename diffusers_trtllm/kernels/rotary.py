@@ -104,16 +104,19 @@ def _launch(query: torch.Tensor, key: torch.Tensor, freqs_cos: torch.Tensor,
 if triton is not None:
 
     @triton.jit
-    def _rotate_heads(x, out, batch, tok, keep, tokens, heads, s_b, s_s, s_h, cos, sin, HALF: tl.constexpr):
+    def _rotate_heads(x, out, batch, tok, keep, tokens, heads, s_b, s_s, s_h, cos, sin, HALF: tl.constexpr,
+                      BLOCK_S: tl.constexpr):
         """Every head of one tensor for this program's tokens; ``out`` is contiguous ``[B, S, heads, 2 * HALF]``."""
         col = tl.arange(0, 2 * HALF)
-        for h in range(heads):
+        h = 0
+        while h < heads:  # not `for h in range(heads)`: Triton 3.6's interpreter cannot take a runtime bound there
             src = x + batch * s_b + tok[:, None] * s_s + h * s_h + col[None, :]
-            both = tl.reshape(tl.load(src, mask=keep, other=0.0).to(tl.float32), (tok.shape[0], HALF, 2))
+            both = tl.reshape(tl.load(src, mask=keep, other=0.0).to(tl.float32), (BLOCK_S, HALF, 2))
             first, second = tl.split(both)
             turned = tl.join(first * cos - second * sin, first * sin + second * cos)
             dst = out + ((batch * tokens + tok[:, None]) * heads + h) * (2 * HALF) + col[None, :]
-            tl.store(dst, tl.reshape(turned, (tok.shape[0], 2 * HALF)).to(out.dtype.element_ty), mask=keep)
+            tl.store(dst, tl.reshape(turned, (BLOCK_S, 2 * HALF)).to(out.dtype.element_ty), mask=keep)
+            h += 1
 
     @triton.jit
     def _rotate_kernel(q, k, q_out, k_out, freqs_cos, freqs_sin, tokens, q_heads, k_heads,
@@ -126,5 +129,5 @@ if triton is not None:
         keep = tok[:, None] < tokens
         cos = tl.load(freqs_cos + batch * fc_sb + tok[:, None] * fc_ss + 2 * pair[None, :], mask=keep, other=0.0)
         sin = tl.load(freqs_sin + batch * fs_sb + tok[:, None] * fs_ss + 2 * pair[None, :] + 1, mask=keep, other=0.0)
-        _rotate_heads(q, q_out, batch, tok, keep, tokens, q_heads, q_sb, q_ss, q_sh, cos, sin, HALF)
-        _rotate_heads(k, k_out, batch, tok, keep, tokens, k_heads, k_sb, k_ss, k_sh, cos, sin, HALF)
+        _rotate_heads(q, q_out, batch, tok, keep, tokens, q_heads, q_sb, q_ss, q_sh, cos, sin, HALF, BLOCK_S)
+        _rotate_heads(k, k_out, batch, tok, keep, tokens, k_heads, k_sb, k_ss, k_sh, cos, sin, HALF, BLOCK_S)
