@@ -124,7 +124,7 @@ def test_wan_forward_is_stocks_bit_for_bit_with_our_rotation(family, monkeypatch
 
 
 def test_image_projections_keep_their_own_rotation():
-    entry = serving_rotary.deferred_rotary(_wan_processor())
+    entry = serving_rotary.deferred_rotary(_wan_processor(), _parameters(_wan_processor()))
     assert entry is not None and entry.index == 3  # (hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
     assert pickle.loads(pickle.dumps(entry)) == entry  # pickled with a model's layer states: no lambda held
 
@@ -148,7 +148,13 @@ def test_subclasses_are_not_deferred():
     class Custom(WanAttnProcessor):
         pass
 
-    assert serving_rotary.deferred_rotary(Custom()) is None
+    assert serving_rotary.deferred_rotary(Custom(), _parameters(Custom())) is None
+
+
+def _parameters(processor) -> list[str]:
+    import inspect
+
+    return list(inspect.signature(type(processor).__call__).parameters)[2:]
 
 
 def _wan_processor():
@@ -176,7 +182,8 @@ def test_every_listed_processor_exists_and_takes_the_argument(name):
     import importlib
 
     module, cls = name.rsplit(".", 1)
-    entry = serving_rotary.deferred_rotary(getattr(importlib.import_module(module), cls)())
+    processor = getattr(importlib.import_module(module), cls)()
+    entry = serving_rotary.deferred_rotary(processor, _parameters(processor))
     assert entry is not None and entry.index == 3
 
 

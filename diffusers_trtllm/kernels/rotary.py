@@ -7,8 +7,8 @@ Wan's attention processor turns each pair ``(x[2j], x[2j + 1])`` of a head by th
     out[2j + 1] = x[2j] * sin + x[2j + 1] * cos
 
 in float32 (the frequencies' dtype), rounded back to ``x``'s dtype. Eager torch spends eight launches a tensor
-on it, through float32 intermediates and strided copies: about 7 ms of every layer of a Wan2.1-14B 480p forward on
-an H200 (docs/design.md, "Rotary embeddings in one launch"). :func:`rotate_interleaved` does Q and K in one Triton
+on it, through float32 intermediates and strided copies: 5.8 ms of each self-attention call of a Wan2.1-14B 480p
+forward on an H100, against 0.6 ms here (docs/design.md, "Rotary embeddings in one launch"). :func:`rotate_interleaved` does Q and K in one Triton
 launch that reads each once and writes each once, bit for bit the same values: every product and sum is rounded
 on its own, as torch's separate launches round them (no fused multiply-add), and the cast rounds to nearest even.
 Elsewhere (CPU, ``torch.compile``, whose Inductor fuses the torch form itself, or inputs outside the kernel's

@@ -132,7 +132,7 @@ class LayerState:
         """Adopt ``stock`` as the family processor that does everything but the attention call."""
         self.stock = stock
         self.mode, self.reason = (None, "no stock processor is known") if stock is None else intercept.serving_mode(stock)
-        self.rotary = deferred_rotary(stock) if self.mode == "dispatch" else None
+        self.rotary = None
         self.module_is_cross = getattr(module, "is_cross_attention", None)
         if not self.role_observed:
             self.role = guess_role(self.name, module)
@@ -145,6 +145,8 @@ class LayerState:
         self.mask_params = tuple((i, p) for i, p in enumerate(params) if "mask" in p)
         self.hidden_index = params.index("hidden_states") if "hidden_states" in params else (0 if params else None)
         self.encoder_index = params.index("encoder_hidden_states") if "encoder_hidden_states" in params else None
+        if self.mode == "dispatch":
+            self.rotary = deferred_rotary(stock, params)
 
     def take_over(self, previous: "LayerState") -> None:
         """Carry what belongs to the module, not to a processor, from the state that served it until now:

@@ -11,7 +11,6 @@ docs/design.md, "Rotary embeddings in one launch".
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +35,7 @@ class DeferredRotary:
     rotate: Callable[[torch.Tensor, torch.Tensor, Any], "tuple[torch.Tensor, torch.Tensor]"]
     #: Whether this module's call rotates the Q and K of its only attention call.
     serves: Callable[[torch.nn.Module], bool]
-    #: The parameter's position after ``attn`` (filled by ``deferred_rotary`` from the signature).
+    #: The parameter's position after ``attn`` (filled by ``deferred_rotary``).
     index: int = -1
 
 
@@ -59,14 +58,12 @@ DEFERRED: dict[str, DeferredRotary] = {
 }
 
 
-def deferred_rotary(stock: Any) -> DeferredRotary | None:
-    """``stock``'s entry in :data:`DEFERRED`, with its argument's position; None when its class is not listed."""
+def deferred_rotary(stock: Any, params: list[str]) -> DeferredRotary | None:
+    """``stock``'s entry in :data:`DEFERRED`, with its argument's position among ``params`` (its ``__call__``'s
+    parameters after ``attn``); None when its class is not listed or takes no such argument."""
     cls = type(stock)
     entry = DEFERRED.get(f"{cls.__module__}.{cls.__qualname__}")
-    if entry is None:
-        return None
-    params = list(inspect.signature(cls.__call__).parameters)[2:]  # after self, attn
-    if entry.argument not in params:
+    if entry is None or entry.argument not in params:
         return None
     return DeferredRotary(entry.argument, entry.rotate, entry.serves, params.index(entry.argument))
 
