@@ -1,6 +1,6 @@
-"""Wan's rotary embedding applied by us at the attention call (``serving.rotary``, ``kernels.rotary``): the same
-values as Wan's own processor, on the CPU through the torch form and in Triton's interpreter through the kernel;
-the layers where it must not happen keep their own rotation."""
+"""Wan's and Flux's rotary embeddings applied by us at the attention call (``serving.rotary``, ``kernels.rotary``):
+the same values as the families' own processors, on the CPU through the torch form and in Triton's interpreter
+through the kernel; the layers where it must not happen keep their own rotation."""
 
 from __future__ import annotations
 
@@ -39,11 +39,29 @@ def frequencies(batch: int, tokens: int, dim: int, seed: int = 0) -> tuple[torch
     return angle.cos().repeat_interleave(2, -1), angle.sin().repeat_interleave(2, -1)
 
 
+def flux_rotation(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:
+    """Flux's processor's rotation: Diffusers' ``apply_rotary_emb`` on ``[S, D]`` tables, ``sequence_dim=1``."""
+    from diffusers.models.embeddings import apply_rotary_emb
+
+    return apply_rotary_emb(x, (freqs_cos[0, :, 0], freqs_sin[0, :, 0]), sequence_dim=1)
+
+
+STOCK = {"pair": wan_rotation, "element": flux_rotation}
+
+
+@pytest.mark.parametrize("rule", rotary.RULES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_torch_form_is_wans_bit_for_bit(dtype):
-    x = (torch.randn(2, 19, 3, 16, generator=torch.Generator().manual_seed(1)) * 4).to(dtype)
-    cos, sin = frequencies(1, 19, 16)
-    assert torch.equal(rotary.rotate_interleaved_reference(x, cos, sin), wan_rotation(x, cos, sin))
+def test_torch_form_is_the_familys_bit_for_bit(dtype, rule):
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(2, 19, 3, 16, generator=g) * 4).to(dtype)
+    for cos, sin in (frequencies(1, 19, 16), (torch.randn(1, 19, 1, 16, generator=g), torch.randn(1, 19, 1, 16, generator=g))):
+        assert torch.equal(rotary.rotate_interleaved_reference(x, cos, sin, rule), STOCK[rule](x, cos, sin))
+
+
+def test_unknown_rule_is_named():
+    x = torch.zeros(1, 2, 1, 4)
+    with pytest.raises(ValueError, match="rule must be one of"):
+        rotary.rotate_interleaved(x, x, x, x, rule="halves")
 
 
 def test_kernel_reasons_name_what_is_wrong():
@@ -62,24 +80,25 @@ _CHILD = r"""
 import json, torch
 from diffusers_trtllm.kernels import rotary
 cases = []
-for dtype in (torch.bfloat16, torch.float16, torch.float32):
+for rule, dtype in ((r, d) for r in rotary.RULES for d in (torch.bfloat16, torch.float16, torch.float32)):
     for batch, tokens, heads, k_heads, dim, freq_batch in ((1, 37, 3, 3, 16, 1), (2, 20, 2, 1, 8, 2), (2, 5, 1, 2, 4, 1)):
         g = torch.Generator().manual_seed(tokens)
         wide = (torch.randn(batch, tokens, heads * dim + 5, generator=g) * 4).to(dtype)
         q = wide[..., : heads * dim].unflatten(-1, (heads, dim))  # tokens strided, as a projection's view
         k = (torch.randn(batch, tokens, k_heads, dim, generator=g) * 4).to(dtype)
-        angle = torch.randn(freq_batch, tokens, 1, dim // 2, generator=g) * 8
-        cos, sin = angle.cos().repeat_interleave(2, -1), angle.sin().repeat_interleave(2, -1)
-        got = rotary._launch(q, k, cos, sin)
+        # Tables whose even and odd entries differ, so that reading the wrong one shows.
+        cos, sin = (torch.randn(freq_batch, tokens, 1, dim, generator=g) for _ in range(2))
+        got = rotary._launch(q, k, cos, sin, rule)
         ok = []
         for x, out in zip((q, k), got):
-            exact = rotary.rotate_interleaved_reference(x.float(), cos, sin)
+            exact = rotary.rotate_interleaved_reference(x.float(), cos, sin, rule)
             # The interpreter casts float32 to bfloat16 by truncation (the GPU rounds to nearest even, as torch):
             # there the kernel's float32 values are checked through that cast.
             want = ((exact.view(torch.int32) & ~0xFFFF).view(torch.float32).to(dtype) if dtype == torch.bfloat16
                     else exact.to(dtype))
             ok.append(bool(torch.equal(out, want)) and out.is_contiguous())
-        cases.append({"case": f"{dtype} {tuple(q.shape)} k{tuple(k.shape)} freqs batch {freq_batch}", "ok": all(ok)})
+        cases.append({"case": f"{rule} {dtype} {tuple(q.shape)} k{tuple(k.shape)} freqs batch {freq_batch}",
+                      "ok": all(ok)})
 print(json.dumps(cases))
 """
 
@@ -90,37 +109,53 @@ def test_kernel_under_interpreter_gives_the_torch_values():
     run = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, env=env, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
     cases = json.loads(run.stdout.strip().splitlines()[-1])
-    assert len(cases) == 9 and all(c["ok"] for c in cases), cases
+    assert len(cases) == 18 and all(c["ok"] for c in cases), cases
 
 
 # ---- at the attention call ---------------------------------------------------------------------------------
 def _count_rotations(monkeypatch) -> list[tuple[int, ...]]:
     seen: list[tuple[int, ...]] = []
-    original = serving_rotary.DEFERRED[next(iter(serving_rotary.DEFERRED))].rotate
 
-    def counting(query, key, embedding):
-        seen.append(tuple(query.shape))
-        return original(query, key, embedding)
+    def counting(rotate):
+        def rotate_and_count(query, key, embedding):
+            seen.append(tuple(query.shape))
+            return rotate(query, key, embedding)
+        return rotate_and_count
 
     for name, entry in list(serving_rotary.DEFERRED.items()):
-        monkeypatch.setitem(serving_rotary.DEFERRED, name, serving_rotary.DeferredRotary(entry.argument, counting,
-                                                                                         entry.serves))
+        monkeypatch.setitem(serving_rotary.DEFERRED, name, serving_rotary.DeferredRotary(
+            entry.argument, counting(entry.rotate), entry.serves))
     return seen
 
 
-@pytest.mark.parametrize("family", ["wan_t2v", "wan_i2v"])
-def test_wan_forward_is_stocks_bit_for_bit_with_our_rotation(family, monkeypatch):
-    seen = _count_rotations(monkeypatch)
+def _ours_and_stock(family: str) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
     model, inputs = tiny_models.build(family)
     with torch.no_grad():
         stock = model(**inputs)[0]
         install(model, TrtllmAttnProcessor())
         ours = model(**inputs)[0]
+    return model, ours, stock
+
+
+@pytest.mark.parametrize("family", ["wan_t2v", "wan_i2v"])
+def test_wan_forward_is_stocks_bit_for_bit_with_our_rotation(family, monkeypatch):
+    seen = _count_rotations(monkeypatch)
+    model, ours, stock = _ours_and_stock(family)
     assert torch.equal(ours, stock)
     deferred = [m for m in model.modules() if layer_of(m) is not None and layer_of(m).rotary is not None]
     # Self-attention (attn1) of each block; I2V's cross-attention has image projections and no rotary argument.
     assert {type(m).__name__ for m in deferred} == {"WanAttention"} and len(deferred) == 2 * len(model.blocks)
     assert len(seen) == len(model.blocks)  # one rotation per self-attention call, none for cross-attention
+
+
+@pytest.mark.parametrize("family", ["flux", "flux2"])
+def test_flux_forward_is_stocks_bit_for_bit_with_our_rotation(family, monkeypatch):
+    seen = _count_rotations(monkeypatch)
+    model, ours, stock = _ours_and_stock(family)
+    assert torch.equal(ours, stock)
+    attention = [m for m in model.modules() if layer_of(m) is not None]
+    assert attention and all(layer_of(m).rotary is not None for m in attention)
+    assert len(seen) == len(attention)  # every block's one attention call, double and single stream
 
 
 def test_image_projections_keep_their_own_rotation():
@@ -165,16 +200,18 @@ def _wan_processor():
 
 @pytest.mark.gpu
 @requires_cuda
+@pytest.mark.parametrize("rule", rotary.RULES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_kernel_on_gpu_is_wans_bit_for_bit(dtype):
+def test_kernel_on_gpu_is_the_familys_bit_for_bit(dtype, rule):
     g = torch.Generator().manual_seed(0)
     wide = (torch.randn(2, 1000, 4 * 128 + 64, generator=g) * 4).to(dtype).cuda()
     q = wide[..., : 4 * 128].unflatten(-1, (4, 128))
     k = (torch.randn(2, 1000, 2, 128, generator=g) * 4).to(dtype).cuda()
-    cos, sin = (f.cuda() for f in frequencies(1, 1000, 128))
-    assert rotary.fused_rotary_reasons(q, k, cos, sin) == []
-    q_out, k_out = rotary.rotate_interleaved(q, k, cos, sin)
-    assert torch.equal(q_out, wan_rotation(q, cos, sin)) and torch.equal(k_out, wan_rotation(k, cos, sin))
+    for cos, sin in (frequencies(1, 1000, 128), (torch.randn(1, 1000, 1, 128), torch.randn(1, 1000, 1, 128))):
+        cos, sin = cos.cuda(), sin.cuda()
+        assert rotary.fused_rotary_reasons(q, k, cos, sin) == []
+        q_out, k_out = rotary.rotate_interleaved(q, k, cos, sin, rule)
+        assert torch.equal(q_out, STOCK[rule](q, cos, sin)) and torch.equal(k_out, STOCK[rule](k, cos, sin))
 
 
 @pytest.mark.parametrize("name", sorted(serving_rotary.DEFERRED))
@@ -184,7 +221,7 @@ def test_every_listed_processor_exists_and_takes_the_argument(name):
     module, cls = name.rsplit(".", 1)
     processor = getattr(importlib.import_module(module), cls)()
     entry = serving_rotary.deferred_rotary(processor, _parameters(processor))
-    assert entry is not None and entry.index == 3
+    assert entry is not None and _parameters(processor)[entry.index] == entry.argument
 
 
 def test_kernel_compiles_for_hopper_without_fused_multiply_adds():
@@ -203,7 +240,7 @@ def test_kernel_compiles_for_hopper_without_fused_multiply_adds():
     tokens, width = 32760, 40 * 128
     args = (bf16, bf16, bf16, bf16, f32, f32, tokens, 40, 40, tokens * 3 * width, 3 * width, 128, tokens * width, width,
             128, 0, 128, 0, 128)  # Q a view into fused QKV projections, K contiguous, frequencies [1, S, 1, 128]
-    constexprs = dict(HALF=64, BLOCK_S=rotary.ROTARY_BLOCK_S)
+    constexprs = dict(HALF=64, BLOCK_S=rotary.ROTARY_BLOCK_S, PAIR=True)
     signature = {name: mangle_type(arg) for name, arg in zip(kernel.arg_names, args)}
     signature.update({name: "constexpr" for name in constexprs})
     aligned = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(args)

@@ -1,17 +1,21 @@
-"""Rotary position embedding over interleaved pairs (Wan's rule), Q and K in one launch.
+"""Rotary position embedding over interleaved pairs, Q and K in one launch (Wan's and Flux's rules).
 
-Wan's attention processor turns each pair ``(x[2j], x[2j + 1])`` of a head by the angle whose cosine is
-``freqs_cos[..., 2j]`` and sine ``freqs_sin[..., 2j + 1]``::
+Both families' processors turn each pair ``(x[2j], x[2j + 1])`` of a head by an angle read from float32 tables
+``freqs_cos``, ``freqs_sin`` of the head's width, in float32, rounded back to ``x``'s dtype::
 
-    out[2j]     = x[2j] * cos - x[2j + 1] * sin
-    out[2j + 1] = x[2j] * sin + x[2j + 1] * cos
+    out[2j]     = x[2j] * C_E - x[2j + 1] * S_E
+    out[2j + 1] = x[2j] * S_O + x[2j + 1] * C_O
 
-in float32 (the frequencies' dtype), rounded back to ``x``'s dtype. Eager torch spends eight launches a tensor
-on it, through float32 intermediates and strided copies: 5.8 ms of each self-attention call of a Wan2.1-14B 480p
-forward on an H100, against 0.6 ms here (docs/design.md, "Rotary embeddings in one launch"). :func:`rotate_interleaved` does Q and K in one Triton
-launch that reads each once and writes each once, bit for bit the same values: every product and sum is rounded
-on its own, as torch's separate launches round them (no fused multiply-add), and the cast rounds to nearest even.
-Elsewhere (CPU, ``torch.compile``, whose Inductor fuses the torch form itself, or inputs outside the kernel's
+They differ in which entries they read (``rule``): ``"pair"`` (Wan's processor) one cosine and one sine per pair,
+C_E = C_O = ``freqs_cos[..., 2j]`` and S_E = S_O = ``freqs_sin[..., 2j + 1]``; ``"element"`` (Diffusers'
+``apply_rotary_emb`` with ``use_real_unbind_dim=-1``, which Flux calls) each output its own entries, C_E, S_E at
+``2j`` and C_O, S_O at ``2j + 1``. Eager torch spends seven or eight launches a tensor on either, through float32
+intermediates: 5.8 ms of each self-attention call of a Wan2.1-14B 480p forward on an H100, against 0.6 ms here
+(docs/design.md, "Rotary embeddings in one launch"). :func:`rotate_interleaved` does Q and K in one Triton launch
+that reads each once and writes each once, bit for bit the same values: every product and sum is rounded on its
+own, as torch's separate launches round them (no fused multiply-add; a sum's operands may be swapped, which IEEE
+addition does not see, and Flux's ``x * c + (-y) * s`` is exactly ``x * c - y * s``), and the cast rounds to nearest
+even. Elsewhere (CPU, ``torch.compile``, whose Inductor fuses the torch form itself, or inputs outside the kernel's
 layout) :func:`rotate_interleaved_reference` computes the same in torch.
 """
 
@@ -25,19 +29,32 @@ try:
 except ImportError:  # the torch form serves every call
     triton = None
 
-__all__ = ["rotate_interleaved", "rotate_interleaved_reference", "fused_rotary_reasons"]
+__all__ = ["RULES", "rotate_interleaved", "rotate_interleaved_reference", "fused_rotary_reasons"]
+
+#: Which table entries a pair's outputs read (module docstring).
+RULES = ("pair", "element")
 
 #: Tokens per program: with 128-dim heads, each head's step moves a 4 KB tile of Q or K in and out.
 ROTARY_BLOCK_S = 16
 _FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def rotate_interleaved_reference(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:
-    """``x`` ``[B, S, H, D]`` turned pair by pair, in torch (the frequencies broadcast against ``x``)."""
+def rotate_interleaved_reference(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor,
+                                 rule: str = "pair") -> torch.Tensor:
+    """``x`` ``[B, S, H, D]`` turned pair by pair under ``rule``, in torch (the tables broadcast against ``x``)."""
+    _check_rule(rule)
     first, second = x.unflatten(-1, (-1, 2)).unbind(-1)
-    cos, sin = freqs_cos[..., 0::2], freqs_sin[..., 1::2]
-    turned = torch.stack((first * cos - second * sin, first * sin + second * cos), dim=-1)
+    cos_e, cos_o = freqs_cos[..., 0::2], freqs_cos[..., 1::2]
+    sin_e, sin_o = freqs_sin[..., 0::2], freqs_sin[..., 1::2]
+    if rule == "pair":
+        cos_o, sin_e = cos_e, sin_o
+    turned = torch.stack((first * cos_e - second * sin_e, first * sin_o + second * cos_o), dim=-1)
     return turned.flatten(-2).to(x.dtype)
+
+
+def _check_rule(rule: str) -> None:
+    if rule not in RULES:
+        raise ValueError(f"rule must be one of {RULES}; got {rule!r}.")
 
 
 def fused_rotary_reasons(query: torch.Tensor, key: torch.Tensor, freqs_cos: torch.Tensor,
@@ -69,19 +86,20 @@ def fused_rotary_reasons(query: torch.Tensor, key: torch.Tensor, freqs_cos: torc
     return reasons
 
 
-def rotate_interleaved(query: torch.Tensor, key: torch.Tensor, freqs_cos: torch.Tensor,
-                       freqs_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q and K ``[B, S, H, D]`` (their own head counts) turned by ``[1 or B, S, 1, D]`` float32 frequencies;
+def rotate_interleaved(query: torch.Tensor, key: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor,
+                       rule: str = "pair") -> tuple[torch.Tensor, torch.Tensor]:
+    """Q and K ``[B, S, H, D]`` (their own head counts) turned by ``[1 or B, S, 1, D]`` float32 tables under ``rule``;
     new contiguous tensors, one launch where ``fused_rotary_reasons`` finds nothing against it."""
+    _check_rule(rule)
     if fused_rotary_reasons(query, key, freqs_cos, freqs_sin):
-        return (rotate_interleaved_reference(query, freqs_cos, freqs_sin),
-                rotate_interleaved_reference(key, freqs_cos, freqs_sin))
+        return (rotate_interleaved_reference(query, freqs_cos, freqs_sin, rule),
+                rotate_interleaved_reference(key, freqs_cos, freqs_sin, rule))
     with torch.cuda.device(query.device):
-        return _launch(query, key, freqs_cos, freqs_sin)
+        return _launch(query, key, freqs_cos, freqs_sin, rule)
 
 
-def _launch(query: torch.Tensor, key: torch.Tensor, freqs_cos: torch.Tensor,
-            freqs_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _launch(query: torch.Tensor, key: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor,
+            rule: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's launch, inputs as ``fused_rotary_reasons`` accepts them (the interpreter's tests call it)."""
     batch, tokens, _, dim = query.shape
     q_out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
@@ -96,7 +114,7 @@ def _launch(query: torch.Tensor, key: torch.Tensor, freqs_cos: torch.Tensor,
         query, key, q_out, k_out, freqs_cos, freqs_sin, tokens, query.shape[2], key.shape[2],
         query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
         batch_stride(freqs_cos), freqs_cos.stride(1), batch_stride(freqs_sin), freqs_sin.stride(1),
-        HALF=dim // 2, BLOCK_S=ROTARY_BLOCK_S, num_warps=4, enable_fp_fusion=False,
+        HALF=dim // 2, BLOCK_S=ROTARY_BLOCK_S, PAIR=rule == "pair", num_warps=4, enable_fp_fusion=False,
     )
     return q_out, k_out
 
@@ -104,8 +122,8 @@ def _launch(query: torch.Tensor, key: torch.Tensor, freqs_cos: torch.Tensor,
 if triton is not None:
 
     @triton.jit
-    def _rotate_heads(x, out, batch, tok, keep, tokens, heads, s_b, s_s, s_h, cos, sin, HALF: tl.constexpr,
-                      BLOCK_S: tl.constexpr):
+    def _rotate_heads(x, out, batch, tok, keep, tokens, heads, s_b, s_s, s_h, cos_e, cos_o, sin_e, sin_o,
+                      HALF: tl.constexpr, BLOCK_S: tl.constexpr):
         """Every head of one tensor for this program's tokens; ``out`` is contiguous ``[B, S, heads, 2 * HALF]``."""
         col = tl.arange(0, 2 * HALF)
         h = 0
@@ -113,7 +131,7 @@ if triton is not None:
             src = x + batch * s_b + tok[:, None] * s_s + h * s_h + col[None, :]
             both = tl.reshape(tl.load(src, mask=keep, other=0.0).to(tl.float32), (BLOCK_S, HALF, 2))
             first, second = tl.split(both)
-            turned = tl.join(first * cos - second * sin, first * sin + second * cos)
+            turned = tl.join(first * cos_e - second * sin_e, first * sin_o + second * cos_o)
             dst = out + ((batch * tokens + tok[:, None]) * heads + h) * (2 * HALF) + col[None, :]
             tl.store(dst, tl.reshape(turned, (BLOCK_S, 2 * HALF)).to(out.dtype.element_ty), mask=keep)
             h += 1
@@ -121,13 +139,20 @@ if triton is not None:
     @triton.jit
     def _rotate_kernel(q, k, q_out, k_out, freqs_cos, freqs_sin, tokens, q_heads, k_heads,
                        q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, fc_sb, fc_ss, fs_sb, fs_ss,
-                       HALF: tl.constexpr, BLOCK_S: tl.constexpr):
-        """Program (token block, batch row): the pair angles of its tokens read once, then every head of Q and K."""
+                       HALF: tl.constexpr, BLOCK_S: tl.constexpr, PAIR: tl.constexpr):
+        """Program (token block, batch row): the angles of its tokens read once, then every head of Q and K."""
         batch = tl.program_id(1)
         tok = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
-        pair = tl.arange(0, HALF)
+        col = tl.arange(0, 2 * HALF)
         keep = tok[:, None] < tokens
-        cos = tl.load(freqs_cos + batch * fc_sb + tok[:, None] * fc_ss + 2 * pair[None, :], mask=keep, other=0.0)
-        sin = tl.load(freqs_sin + batch * fs_sb + tok[:, None] * fs_ss + 2 * pair[None, :] + 1, mask=keep, other=0.0)
-        _rotate_heads(q, q_out, batch, tok, keep, tokens, q_heads, q_sb, q_ss, q_sh, cos, sin, HALF, BLOCK_S)
-        _rotate_heads(k, k_out, batch, tok, keep, tokens, k_heads, k_sb, k_ss, k_sh, cos, sin, HALF, BLOCK_S)
+        cos = tl.load(freqs_cos + batch * fc_sb + tok[:, None] * fc_ss + col[None, :], mask=keep, other=0.0)
+        sin = tl.load(freqs_sin + batch * fs_sb + tok[:, None] * fs_ss + col[None, :], mask=keep, other=0.0)
+        cos_e, cos_o = tl.split(tl.reshape(cos, (BLOCK_S, HALF, 2)))
+        sin_e, sin_o = tl.split(tl.reshape(sin, (BLOCK_S, HALF, 2)))
+        if PAIR:  # Wan's: one cosine (even entry) and one sine (odd entry) per pair
+            cos_o = cos_e
+            sin_e = sin_o
+        _rotate_heads(q, q_out, batch, tok, keep, tokens, q_heads, q_sb, q_ss, q_sh, cos_e, cos_o, sin_e, sin_o, HALF,
+                      BLOCK_S)
+        _rotate_heads(k, k_out, batch, tok, keep, tokens, k_heads, k_sb, k_ss, k_sh, cos_e, cos_o, sin_e, sin_o, HALF,
+                      BLOCK_S)

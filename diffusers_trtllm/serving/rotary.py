@@ -5,7 +5,7 @@ then gets Q and K turned by our one-launch kernel (:func:`diffusers_trtllm.kerne
 bit for bit the processor's values) before anything sees them: our kernels, the stock fallback, the
 calibration pass. That holds only where the processor makes one attention call and rotates exactly its Q and K:
 Wan's attention without image projections (with them, the image call's keys are not rotated, so the layer keeps
-its own rotation). Where ``serves`` says no, or the call passes no rotary argument, nothing changes.
+its own rotation), Flux's and Flux.2's attention. Where ``serves`` says no, or the call passes no rotary argument, nothing changes.
 docs/design.md, "Rotary embeddings in one launch".
 """
 
@@ -40,21 +40,38 @@ class DeferredRotary:
 
 
 def _wan_rotate(query: torch.Tensor, key: torch.Tensor, rotary_emb: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Wan's: ``(freqs_cos, freqs_sin)`` as ``[1, S, 1, D]`` tables, one angle per pair."""
     freqs_cos, freqs_sin = rotary_emb
-    return rotate_interleaved(query, key, freqs_cos, freqs_sin)
+    return rotate_interleaved(query, key, freqs_cos, freqs_sin, rule="pair")
+
+
+def _flux_rotate(query: torch.Tensor, key: torch.Tensor, image_rotary_emb: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flux's (``apply_rotary_emb(x, image_rotary_emb, sequence_dim=1)``): ``[S, D]`` tables put on Q's device and
+    indexed ``[None, :, None, :]`` as Diffusers does, each output its own entries."""
+    freqs_cos, freqs_sin = (f.to(query.device)[None, :, None, :] for f in image_rotary_emb)
+    return rotate_interleaved(query, key, freqs_cos, freqs_sin, rule="element")
 
 
 def _without_image_projections(attn: torch.nn.Module) -> bool:
     return getattr(attn, "add_k_proj", None) is None
 
 
+def _always(attn: torch.nn.Module) -> bool:
+    return True
+
+
 _WAN = DeferredRotary("rotary_emb", _wan_rotate, _without_image_projections)
-#: Stock processor classes (module and qualified name, matched exactly: a subclass may rotate otherwise). Wan's and
-#: the families whose processors are copies of it (ChronoEdit, Wan-Animate, SkyReels-V2).
+_FLUX = DeferredRotary("image_rotary_emb", _flux_rotate, _always)
+#: Stock processor classes (module and qualified name, matched exactly: a subclass may rotate otherwise): Wan's and
+#: the copies of it (ChronoEdit, Wan-Animate, SkyReels-V2); Flux's and Flux.2's, which rotate the joint Q and K of
+#: their one attention call.
 DEFERRED: dict[str, DeferredRotary] = {
-    f"diffusers.models.transformers.{name}": _WAN for name in (
+    **{f"diffusers.models.transformers.{name}": _WAN for name in (
         "transformer_wan.WanAttnProcessor", "transformer_chronoedit.WanAttnProcessor",
-        "transformer_wan_animate.WanAttnProcessor", "transformer_skyreels_v2.SkyReelsV2AttnProcessor")
+        "transformer_wan_animate.WanAttnProcessor", "transformer_skyreels_v2.SkyReelsV2AttnProcessor")},
+    **{f"diffusers.models.transformers.{name}": _FLUX for name in (
+        "transformer_flux.FluxAttnProcessor", "transformer_flux2.Flux2AttnProcessor",
+        "transformer_flux2.Flux2ParallelSelfAttnProcessor")},
 }
 
 
