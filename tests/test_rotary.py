@@ -224,7 +224,8 @@ def test_every_listed_processor_exists_and_takes_the_argument(name):
     assert entry is not None and _parameters(processor)[entry.index] == entry.argument
 
 
-def test_kernel_compiles_for_hopper_without_fused_multiply_adds():
+@pytest.mark.parametrize("rule", rotary.RULES)
+def test_kernel_compiles_for_hopper_without_fused_multiply_adds(rule):
     """Through Triton's whole GPU pipeline without a GPU, specialized as a Wan2.1-14B 480p launch: no FMA in the PTX
     (each product rounded on its own, as torch's launches round them: the bit-for-bit claim), and Q/K moved in
     16-byte vectors."""
@@ -240,7 +241,7 @@ def test_kernel_compiles_for_hopper_without_fused_multiply_adds():
     tokens, width = 32760, 40 * 128
     args = (bf16, bf16, bf16, bf16, f32, f32, tokens, 40, 40, tokens * 3 * width, 3 * width, 128, tokens * width, width,
             128, 0, 128, 0, 128)  # Q a view into fused QKV projections, K contiguous, frequencies [1, S, 1, 128]
-    constexprs = dict(HALF=64, BLOCK_S=rotary.ROTARY_BLOCK_S, PAIR=True)
+    constexprs = dict(HALF=64, BLOCK_S=rotary.ROTARY_BLOCK_S, PAIR=rule == "pair")
     signature = {name: mangle_type(arg) for name, arg in zip(kernel.arg_names, args)}
     signature.update({name: "constexpr" for name in constexprs})
     aligned = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(args)

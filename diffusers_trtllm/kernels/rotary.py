@@ -143,15 +143,18 @@ if triton is not None:
         """Program (token block, batch row): the angles of its tokens read once, then every head of Q and K."""
         batch = tl.program_id(1)
         tok = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
-        col = tl.arange(0, 2 * HALF)
+        pair = tl.arange(0, HALF)
         keep = tok[:, None] < tokens
-        cos = tl.load(freqs_cos + batch * fc_sb + tok[:, None] * fc_ss + col[None, :], mask=keep, other=0.0)
-        sin = tl.load(freqs_sin + batch * fs_sb + tok[:, None] * fs_ss + col[None, :], mask=keep, other=0.0)
-        cos_e, cos_o = tl.split(tl.reshape(cos, (BLOCK_S, HALF, 2)))
-        sin_e, sin_o = tl.split(tl.reshape(sin, (BLOCK_S, HALF, 2)))
+        cos = freqs_cos + batch * fc_sb + tok[:, None] * fc_ss + 2 * pair[None, :]
+        sin = freqs_sin + batch * fs_sb + tok[:, None] * fs_ss + 2 * pair[None, :]
+        cos_e = tl.load(cos, mask=keep, other=0.0)
+        sin_o = tl.load(sin + 1, mask=keep, other=0.0)
         if PAIR:  # Wan's: one cosine (even entry) and one sine (odd entry) per pair
             cos_o = cos_e
             sin_e = sin_o
+        else:
+            cos_o = tl.load(cos + 1, mask=keep, other=0.0)
+            sin_e = tl.load(sin, mask=keep, other=0.0)
         _rotate_heads(q, q_out, batch, tok, keep, tokens, q_heads, q_sb, q_ss, q_sh, cos_e, cos_o, sin_e, sin_o, HALF,
                       BLOCK_S)
         _rotate_heads(k, k_out, batch, tok, keep, tokens, k_heads, k_sb, k_ss, k_sh, cos_e, cos_o, sin_e, sin_o, HALF,
