@@ -12,7 +12,7 @@ docs/design.md, "Rotary embeddings in one launch".
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -82,7 +82,7 @@ def deferred_rotary(stock: Any, params: list[str]) -> DeferredRotary | None:
     entry = DEFERRED.get(f"{cls.__module__}.{cls.__qualname__}")
     if entry is None or entry.argument not in params:
         return None
-    return DeferredRotary(entry.argument, entry.rotate, entry.serves, params.index(entry.argument))
+    return replace(entry, index=params.index(entry.argument))
 
 
 def take_rotary(deferred: DeferredRotary, attn: torch.nn.Module, args: tuple,
