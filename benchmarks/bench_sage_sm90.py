@@ -150,7 +150,7 @@ def run_shape(shape, builds, quants, targets, iters, locality, k_mean, v_mean, n
                     impls[f"{impl}: skip off | skip on, alternating"] = Alternating(
                         lambda off=skip_off: off().out, impls[impl])
             if alternate_builds and name != "default":  # a build's gain or cost, clear of drift between rows
-                for label in ["", "+skiptiny", *(label for label, _ in at_targets)]:
+                for label in ["", "+skiptiny", "+skipall", *(label for label, _ in at_targets)]:
                     impls[f"sage-sm90[default{tag}] | [{name}{tag}]{label}, alternating"] = Alternating(
                         impls[f"sage-sm90[default{tag}]{label}"], impls[f"sage-sm90[{name}{tag}]{label}"])
         # Where a whole call's time goes (default build): the quantizer alone, the kernel alone on its output.

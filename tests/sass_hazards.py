@@ -1,8 +1,8 @@
 """Register hazards of asynchronous wgmma in a cubin's SASS (a test helper; needs ``cuobjdump``).
 
-ptxas may reuse the registers of an fp8 product (QGMMA: its A fragment and its accumulator) for other
+ptxas may reuse the registers of a product (QGMMA: its A fragment and its accumulator; IGMMA: its accumulator) for other
 values while the product still runs, which gives wrong results without any warning (it did so for the
-``sage-sm90`` overlap build). This walks every path from the end of each QGMMA commit group (the one
+``sage-sm90`` overlap build). This walks every path from the end of each such commit group (the one
 marked ``gsb0``) to the first wait that retires it and lists the non-wgmma instructions on it that write
 one of the group's registers. Groups retire in order: ``WARPGROUP.DEPBAR.LE gsb0, N`` retires every group
 but the N committed last, so it retires this one once N or more groups have been committed after it.
@@ -18,6 +18,7 @@ from pathlib import Path
 _FUNCTION = re.compile(r"\s+Function : (\w+)")
 _INSTRUCTION = re.compile(r"\s+/\*([0-9a-f]+)\*/\s*(.*?)\s*;")
 _QGMMA = re.compile(r"QGMMA\.64x(\d+)x32\S* R(\d+), R(\d+),")
+_IGMMA = re.compile(r"IGMMA\.64x(\d+)x32\S* R(\d+), gdesc")  # Q.K^T: A from shared memory, int32 accumulator
 _WRITE = re.compile(r"(?:@!?U?P\w+ )?([A-Z][\w.]*) R(\d+)[, ]")
 _BRANCH = re.compile(r"(@!?U?P\w+ )?BRA(?:\.\w+)* (?:\S+, )?0x([0-9a-f]+)")
 _NOT_A_WRITE = ("QGMMA", "IGMMA", "HGMMA", "ST", "BAR", "SYNCS", "WARPGROUP")
@@ -59,7 +60,7 @@ def cubin_sass(cuobjdump: str, cubin: Path) -> dict[str, list[tuple[int, str]]]:
 
 
 def _group_registers(code: list[tuple[int, str]], end: int, reach: int = 64) -> set[int]:
-    """Registers of the QGMMA products committed at ``end`` (A fragments and accumulators): those issued
+    """Registers of the products committed at ``end`` (QGMMA: A fragments and accumulators; IGMMA: accumulators): those issued
     since the previous commit, looking back at most ``reach`` instructions."""
     regs: set[int] = set()
     for i in range(end, max(end - reach, -1), -1):
@@ -69,6 +70,9 @@ def _group_registers(code: list[tuple[int, str]], end: int, reach: int = 64) -> 
         if m := _QGMMA.match(instruction):
             n, d, a = (int(x) for x in m.groups())
             regs.update(range(a, a + 4), range(d, d + n // 2))
+        elif m := _IGMMA.match(instruction):
+            n, d = (int(x) for x in m.groups())
+            regs.update(range(d, d + n // 2))
     return regs
 
 
@@ -98,11 +102,12 @@ def _after_commit(code: list[tuple[int, str]], index: dict[int, int], end: int):
 
 
 def in_flight_writes(code: list[tuple[int, str]]) -> list[str]:
-    """Each instruction that writes a register of a QGMMA group between its commit and the wait that retires it."""
+    """Each instruction that writes a register of a QGMMA or IGMMA group between its commit and the wait that
+    retires it."""
     index = {address: i for i, (address, _) in enumerate(code)}
     hazards = []
     for end, (_, instruction) in enumerate(code):
-        if not (_QGMMA.match(instruction) and "gsb0" in instruction):
+        if not ((_QGMMA.match(instruction) or _IGMMA.match(instruction)) and "gsb0" in instruction):
             continue
         regs = _group_registers(code, end)
         for (address, ins), _ in _after_commit(code, index, end):
