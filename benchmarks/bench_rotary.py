@@ -3,10 +3,12 @@
     python3 benchmarks/bench_rotary.py --shapes wan_14b_480p,wan_14b_720p,flux_1024 --out rotary.json
 
 On a full-size attention module of the shape's family (random weights, bf16: Wan2.1-14B's for ``wan_*``,
-Flux.1-dev's single-stream block for ``flux_*``), Diffusers' own processor is timed with its rotary embedding and
-without (its attention call replaced by a copy of Q, so the difference is the rotation alone, the projections and
-QK norms the same in both), beside :func:`rotate_interleaved` on the same Q and K under the family's rule, and its
-outputs are compared with the stock processor's bit for bit. Writes JSON and a Markdown table next to it.
+Flux.1-dev's single-stream block for ``flux_*``, HunyuanVideo's single-stream block with its 256 text tokens for
+``hunyuanvideo_*``, LTX-Video's self-attention for ``ltx_*``), Diffusers' own processor is timed with its rotary
+embedding and without (its attention call replaced by a copy of Q, so the difference is the rotation alone, the
+projections and QK norms the same in both), beside what our processor runs in its stead on the same Q and K (the
+family's ``serving.rotary.DEFERRED`` entry: :func:`rotate_interleaved` under the family's rule), and its outputs are
+compared with the stock processor's bit for bit. Writes JSON and a Markdown table next to it.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from diffusers_trtllm.bench.inputs import SHAPES  # noqa: E402
 from diffusers_trtllm.bench.report import environment  # noqa: E402
 from diffusers_trtllm.bench.timing import time_fn  # noqa: E402
-from diffusers_trtllm.kernels.rotary import fused_rotary_reasons, rotate_interleaved  # noqa: E402
+from diffusers_trtllm.serving.rotary import DEFERRED  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,7 @@ class Family:
     argument: str     # the processor's rotary parameter
     rule: str         # kernels.rotary's rule
     tables: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # [S, D] tables as passed
+    text_tokens: int = 0  # text tokens the processor joins after the video's (HunyuanVideo's single-stream block)
 
 
 def _wan():
@@ -54,11 +57,37 @@ def _flux():
     return attn, transformer_flux.FluxAttnProcessor()
 
 
+def _hunyuanvideo():
+    from diffusers.models.attention_processor import Attention
+    from diffusers.models.transformers import transformer_hunyuan_video
+
+    processor = transformer_hunyuan_video.HunyuanVideoAttnProcessor2_0()
+    attn = Attention(query_dim=3072, cross_attention_dim=None, dim_head=128, heads=24, out_dim=3072, bias=True,
+                     processor=processor, qk_norm="rms_norm", eps=1e-6, pre_only=True)
+    return attn, processor
+
+
+def _ltx():
+    from diffusers.models.transformers import transformer_ltx
+
+    attn = transformer_ltx.LTXAttention(query_dim=2048, heads=32, kv_heads=32, dim_head=64, bias=True,
+                                        cross_attention_dim=None, out_bias=True, qk_norm="rms_norm_across_heads")
+    return attn, transformer_ltx.LTXVideoAttnProcessor()
+
+
+#: Shapes of the families not in the attention benchmark's list: (video tokens, head dim). HunyuanVideo at 544 x 960,
+#: 129 frames (33 x 68 x 120 latents, 1 x 2 x 2 patches); LTX-Video at 768 x 512, 121 frames (16 x 16 x 24 latents).
+EXTRA_SHAPES = {"hunyuanvideo_544p": (67320, 128), "ltx_768x512": (6144, 64)}
+
 FAMILIES = {
     "wan": Family("diffusers.models.transformers.transformer_wan", _wan, 5120, "rotary_emb", "pair",
                   lambda cos, sin: (cos[None, :, None, :], sin[None, :, None, :])),
     "flux": Family("diffusers.models.transformers.transformer_flux", _flux, 3072, "image_rotary_emb", "element",
                    lambda cos, sin: (cos, sin)),
+    "hunyuanvideo": Family("diffusers.models.transformers.transformer_hunyuan_video", _hunyuanvideo, 3072,
+                           "image_rotary_emb", "element", lambda cos, sin: (cos, sin), text_tokens=256),
+    "ltx": Family("diffusers.models.transformers.transformer_ltx", _ltx, 2048, "image_rotary_emb", "element",
+                  lambda cos, sin: (cos.repeat(1, 32)[None], sin.repeat(1, 32)[None])),  # [1, S, heads * head dim]
 }
 
 
@@ -67,14 +96,19 @@ def measure(shape_name: str, device: torch.device, iters: int) -> dict:
 
     family = FAMILIES[shape_name.split("_")[0]]
     module = importlib.import_module(family.module)
-    tokens, head_dim = SHAPES[shape_name].tokens, SHAPES[shape_name].head_dim
+    tokens, head_dim = (EXTRA_SHAPES[shape_name] if shape_name in EXTRA_SHAPES
+                        else (SHAPES[shape_name].tokens, SHAPES[shape_name].head_dim))
     attn, processor = family.build()
     attn = attn.to(device, torch.bfloat16).eval()
+    ours_entry = DEFERRED[f"{type(processor).__module__}.{type(processor).__qualname__}"]
     g = torch.Generator(device=device).manual_seed(0)
     hidden = torch.randn(1, tokens, family.width, device=device, dtype=torch.bfloat16, generator=g)
+    text = {}
+    if family.text_tokens:
+        text["encoder_hidden_states"] = torch.randn(1, family.text_tokens, family.width, device=device,
+                                                    dtype=torch.bfloat16, generator=g)
     angle = torch.rand(tokens, head_dim // 2, device=device, generator=g) * 100
     tables = family.tables(angle.cos().repeat_interleave(2, -1), angle.sin().repeat_interleave(2, -1))
-    kernel_tables = tuple(t if t.ndim == 4 else t[None, :, None, :] for t in tables)
     seen: dict[str, torch.Tensor] = {}
 
     def record(query, key, value, **kwargs):  # the attention call, replaced: Q and K as the processor rotated them
@@ -82,7 +116,10 @@ def measure(shape_name: str, device: torch.device, iters: int) -> dict:
         return query.clone()
 
     def run(rotary):
-        return processor(attn, hidden, **{family.argument: rotary})
+        return processor(attn, hidden, **text, **{family.argument: rotary})
+
+    def ours():
+        return ours_entry.rotate(q, k, tables)
 
     original = module.dispatch_attention_fn
     module.dispatch_attention_fn = record
@@ -94,17 +131,29 @@ def measure(shape_name: str, device: torch.device, iters: int) -> dict:
             stock_q, stock_k = seen["q"], seen["k"]
             with_rope = time_fn(lambda: run(tables), device, iters=iters).median_ms
             without = time_fn(lambda: run(None), device, iters=iters).median_ms
-            ours_q, ours_k = rotate_interleaved(q, k, *kernel_tables, rule=family.rule)
-            ours = time_fn(lambda: rotate_interleaved(q, k, *kernel_tables, rule=family.rule), device,
-                           iters=iters).median_ms
+            ours_q, ours_k = ours()
+            ours_ms = time_fn(ours, device, iters=iters).median_ms
     finally:
         module.dispatch_attention_fn = original
     return {
         "shape": shape_name, "tokens": tokens, "heads": q.shape[2], "head_dim": head_dim, "rule": family.rule,
         "stock_processor_ms": with_rope, "stock_processor_without_rotary_ms": without,
-        "stock_rotary_ms": with_rope - without, "ours_ms": ours, "fused": not fused_rotary_reasons(q, k, *kernel_tables),
+        "stock_rotary_ms": with_rope - without, "ours_ms": ours_ms, "fused": _fused(ours),
         "bit_equal": bool(torch.equal(ours_q, stock_q) and torch.equal(ours_k, stock_k)),
     }
+
+
+def _fused(rotate: Callable[[], Any]) -> bool:
+    """Whether ``rotate()`` ran the one-launch kernel (rather than its torch form)."""
+    from diffusers_trtllm.kernels import rotary
+
+    launches, launch = [], rotary._launch
+    rotary._launch = lambda *args: launches.append(1) or launch(*args)
+    try:
+        rotate()
+    finally:
+        rotary._launch = launch
+    return bool(launches)
 
 
 def markdown(result: dict) -> str:
@@ -112,9 +161,10 @@ def markdown(result: dict) -> str:
     lines = [f"GPU {env.get('gpu')}, torch {env['torch']}, Triton {env.get('triton')}, Diffusers {env.get('diffusers')}; "
              f"`{result['command']}`", "",
              "One self-attention call (bf16, batch 1; Wan2.1-14B's for `wan_*`, a Flux.1-dev single-stream block's "
-             "for `flux_*`): Diffusers' processor with and without its rotary embedding (attention call replaced by a "
-             "copy of Q; the difference is the rotation), and `rotate_interleaved` (Q and K in one launch) on the "
-             "same Q and K. `bit-equal`: our Q and K equal the stock processor's.", "",
+             "for `flux_*`, a HunyuanVideo single-stream block's with 256 text tokens for `hunyuanvideo_*`, "
+             "LTX-Video's for `ltx_*`): Diffusers' processor with and without its rotary embedding (attention call replaced by a "
+             "copy of Q; the difference is the rotation), and our rotation (`serving.rotary`: Q and K in one launch) "
+             "on the same Q and K. `bit-equal`: our Q and K equal the stock processor's.", "",
              "| shape | tokens | stock processor (ms) | without rotary (ms) | stock rotation (ms) | ours (ms) | "
              "saved a call (ms) | bit-equal |", "|---|---:|---:|---:|---:|---:|---:|---|"]
     lines += [f"| {r['shape']} | {r['tokens']} | {r['stock_processor_ms']:.2f} | {r['stock_processor_without_rotary_ms']:.2f} "

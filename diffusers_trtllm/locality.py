@@ -43,7 +43,8 @@ def make_attention_local(
     fraction of that. Larger ``contrast``: sharper attention, more tiles skipped at a
     threshold (``python -m diffusers_trtllm.bench e2e --probe`` measures it). ``spread`` scales
     ``s`` per head from ``1 - spread`` to ``1 + spread``, so heads differ in reach (a smoother
-    sparsity-versus-threshold curve). Cross-attention (text keys, no RoPE) is left alone.
+    sparsity-versus-threshold curve). Cross-attention and text refiners (HunyuanVideo's: text
+    tokens only, no RoPE) are left alone.
     """
     if contrast <= 0:
         raise ValueError(f"contrast must be > 0 nats; got {contrast!r}.")
@@ -55,7 +56,7 @@ def make_attention_local(
     for name, module in model.named_modules():
         if not (hasattr(module, "to_q") and hasattr(module, "to_k") and hasattr(module, "heads")):
             continue
-        if guess_role(name, module) == "cross":
+        if guess_role(name, module) in ("cross", "refiner"):  # text keys only, no RoPE: nothing to make local
             continue
         inner = module.to_q.out_features
         head_dim = inner // module.heads

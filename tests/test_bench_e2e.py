@@ -208,3 +208,14 @@ def test_cp_bench_refuses_calibrated_settings_with_the_reason(capsys):
         cp.parse_args(["--configs", "dense,skip-calibrated"])
     assert "fit their curve to the e2e bench's stock forward" in capsys.readouterr().err
     assert cp.parse_args(["--configs", "skip-always"]).configs == ("skip-always",)
+
+
+def test_skip_statistics_leave_out_text_only_self_attention():
+    """HunyuanVideo's text refiner attends over its text alone before the joint calls: its tiles are not the
+    video's (and of another shape), so the statistics keep only calls of more tokens than the text."""
+    stats = _SkipStatistics(1, 8, 2, text_tokens=256)
+    g = torch.Generator().manual_seed(0)
+    for tokens in (256, 700, 256, 700):
+        x = torch.randn(1, 2, tokens, 16, generator=g)
+        stats(0, x, x, x)
+    assert len(stats.crits) == 2 and stats.criticals().shape[0] == 4  # 2 calls of the 700 tokens x 2 heads

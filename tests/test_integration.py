@@ -160,6 +160,24 @@ def test_set_attn_processor_after_uninstall_binds_again(family):
     assert torch.equal(_run(model, inputs), expected)
 
 
+@pytest.mark.parametrize("family", ["sd3", "hunyuanvideo"])  # old-style Attention modules: no stock processor named
+def test_set_attn_processor_after_the_stock_ones_were_set_back_binds_again(family):
+    """Stock processors put back by ``set_attn_processor`` (the benchmark's way between settings), then ours by the
+    same setter, once Diffusers' setters are its own again: the layers find the stock processors set back."""
+    model, inputs = tiny_models.build(family)
+    expected = _run(model, inputs)
+    stock = dict(model.attn_processors)
+    proc = TrtllmAttnProcessor(**SPARSE)
+    model.set_attn_processor(proc)
+    first = _run(model, inputs)
+    model.set_attn_processor(dict(stock))
+    assert torch.equal(_run(model, inputs), expected)
+    model.set_attn_processor(proc)
+    assert torch.equal(_run(model, inputs), first) and {s.mode for s in proc.layers} != {None}
+    uninstall(model)
+    assert torch.equal(_run(model, inputs), expected)
+
+
 def test_a_processor_never_installed_leaves_diffusers_as_it_was():
     """Each live processor that has served no layer yet (a copy too) holds the setters' wrapping, for
     ``set_attn_processor(proc)``; the last one collected takes it away."""

@@ -1,4 +1,4 @@
-"""Wan's and Flux's rotary embeddings applied by us at the attention call (``serving.rotary``, ``kernels.rotary``):
+"""Wan's, Flux's, HunyuanVideo's and LTX-Video's rotary embeddings applied by us at the attention call (``serving.rotary``, ``kernels.rotary``):
 the same values as the families' own processors, on the CPU through the torch form and in Triton's interpreter
 through the kernel; the layers where it must not happen keep their own rotation."""
 
@@ -58,6 +58,20 @@ def test_torch_form_is_the_familys_bit_for_bit(dtype, rule):
         assert torch.equal(rotary.rotate_interleaved_reference(x, cos, sin, rule), STOCK[rule](x, cos, sin))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_shorter_tables_turn_the_leading_tokens_as_hunyuanvideo_does(dtype):
+    """HunyuanVideo's processors rotate the video tokens (``apply_rotary_emb`` on ``x[:, :-text]``) and append the
+    text's unturned: tables of fewer tokens than Q give the same, by the torch form and (on the CPU) ours."""
+    from diffusers.models.embeddings import apply_rotary_emb
+
+    g = torch.Generator().manual_seed(2)
+    q, k = ((torch.randn(2, 23, 3, 16, generator=g) * 4).to(dtype) for _ in range(2))
+    cos, sin = torch.randn(17, 16, generator=g), torch.randn(17, 16, generator=g)
+    want = [torch.cat([apply_rotary_emb(x[:, :17], (cos, sin), sequence_dim=1), x[:, 17:]], dim=1) for x in (q, k)]
+    got = rotary.rotate_interleaved(q, k, cos[None, :, None], sin[None, :, None], rule="element")
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 def test_unknown_rule_is_named():
     x = torch.zeros(1, 2, 1, 4)
     with pytest.raises(ValueError, match="rule must be one of"):
@@ -69,7 +83,7 @@ def test_kernel_reasons_name_what_is_wrong():
     cos, sin = frequencies(1, 4, 12)
     reasons = rotary.fused_rotary_reasons(x, x, cos, sin)
     assert any("CUDA" in r for r in reasons) and any("power of two" in r for r in reasons)
-    assert any("[1 or 1, 4, 1, 8]" in r for r in rotary.fused_rotary_reasons(x[..., :8], x[..., :8], cos, sin))
+    assert any("[1 or 1, at most 4, 1, 8]" in r for r in rotary.fused_rotary_reasons(x[..., :8], x[..., :8], cos, sin))
     # Off the kernel's layout, the torch form answers: the same values.
     q, k = rotary.rotate_interleaved(x + 1, x - 1, cos, sin)
     assert torch.equal(q, wan_rotation(x + 1, cos, sin)) and torch.equal(k, wan_rotation(x - 1, cos, sin))
@@ -81,13 +95,14 @@ import json, torch
 from diffusers_trtllm.kernels import rotary
 cases = []
 for rule, dtype in ((r, d) for r in rotary.RULES for d in (torch.bfloat16, torch.float16, torch.float32)):
-    for batch, tokens, heads, k_heads, dim, freq_batch in ((1, 37, 3, 3, 16, 1), (2, 20, 2, 1, 8, 2), (2, 5, 1, 2, 4, 1)):
+    for batch, tokens, heads, k_heads, dim, freq_batch, rows in (
+            (1, 37, 3, 3, 16, 1, 37), (2, 20, 2, 1, 8, 2, 20), (2, 5, 1, 2, 4, 1, 5), (2, 37, 2, 2, 8, 1, 21)):
         g = torch.Generator().manual_seed(tokens)
         wide = (torch.randn(batch, tokens, heads * dim + 5, generator=g) * 4).to(dtype)
         q = wide[..., : heads * dim].unflatten(-1, (heads, dim))  # tokens strided, as a projection's view
         k = (torch.randn(batch, tokens, k_heads, dim, generator=g) * 4).to(dtype)
         # Tables whose even and odd entries differ, so that reading the wrong one shows.
-        cos, sin = (torch.randn(freq_batch, tokens, 1, dim, generator=g) for _ in range(2))
+        cos, sin = (torch.randn(freq_batch, rows, 1, dim, generator=g) for _ in range(2))  # rows < tokens: a prefix
         got = rotary._launch(q, k, cos, sin, rule)
         ok = []
         for x, out in zip((q, k), got):
@@ -97,7 +112,7 @@ for rule, dtype in ((r, d) for r in rotary.RULES for d in (torch.bfloat16, torch
             want = ((exact.view(torch.int32) & ~0xFFFF).view(torch.float32).to(dtype) if dtype == torch.bfloat16
                     else exact.to(dtype))
             ok.append(bool(torch.equal(out, want)) and out.is_contiguous())
-        cases.append({"case": f"{rule} {dtype} {tuple(q.shape)} k{tuple(k.shape)} freqs batch {freq_batch}",
+        cases.append({"case": f"{rule} {dtype} {tuple(q.shape)} k{tuple(k.shape)} freqs {tuple(cos.shape)}",
                       "ok": all(ok)})
 print(json.dumps(cases))
 """
@@ -109,7 +124,7 @@ def test_kernel_under_interpreter_gives_the_torch_values():
     run = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, env=env, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
     cases = json.loads(run.stdout.strip().splitlines()[-1])
-    assert len(cases) == 18 and all(c["ok"] for c in cases), cases
+    assert len(cases) == 24 and all(c["ok"] for c in cases), cases
 
 
 # ---- at the attention call ---------------------------------------------------------------------------------
@@ -156,6 +171,22 @@ def test_flux_forward_is_stocks_bit_for_bit_with_our_rotation(family, monkeypatc
     attention = [m for m in model.modules() if layer_of(m) is not None]
     assert attention and all(layer_of(m).rotary is not None for m in attention)
     assert len(seen) == len(attention)  # every block's one attention call, double and single stream
+
+
+def test_hunyuanvideo_forward_is_stocks_bit_for_bit_with_our_rotation(monkeypatch):
+    seen = _count_rotations(monkeypatch)
+    model, ours, stock = _ours_and_stock("hunyuanvideo")
+    assert torch.equal(ours, stock)
+    blocks = len(model.transformer_blocks) + len(model.single_transformer_blocks)
+    # Each double- and single-stream block's one call turns its 16 video tokens, its 6 text tokens following them.
+    assert len(seen) == blocks and all(shape[1] == 16 + 6 for shape in seen)
+
+
+def test_ltx_forward_is_stocks_bit_for_bit_with_our_rotation(monkeypatch):
+    seen = _count_rotations(monkeypatch)
+    model, ours, stock = _ours_and_stock("ltx")
+    assert torch.equal(ours, stock)
+    assert len(seen) == len(model.transformer_blocks)  # self-attention; cross-attention gets no rotary argument
 
 
 def test_image_projections_keep_their_own_rotation():
@@ -212,6 +243,11 @@ def test_kernel_on_gpu_is_the_familys_bit_for_bit(dtype, rule):
         assert rotary.fused_rotary_reasons(q, k, cos, sin) == []
         q_out, k_out = rotary.rotate_interleaved(q, k, cos, sin, rule)
         assert torch.equal(q_out, STOCK[rule](q, cos, sin)) and torch.equal(k_out, STOCK[rule](k, cos, sin))
+        # Tables of the first 774 tokens (HunyuanVideo's video tokens before its text): those turned, the rest kept.
+        q_out, k_out = rotary.rotate_interleaved(q, k, cos[:, :774], sin[:, :774], rule)
+        for x, out in ((q, q_out), (k, k_out)):
+            assert torch.equal(out[:, :774], STOCK[rule](x[:, :774], cos[:, :774], sin[:, :774]))
+            assert torch.equal(out[:, 774:], x[:, 774:])
 
 
 @pytest.mark.parametrize("name", sorted(serving_rotary.DEFERRED))
@@ -224,11 +260,11 @@ def test_every_listed_processor_exists_and_takes_the_argument(name):
     assert entry is not None and _parameters(processor)[entry.index] == entry.argument
 
 
-@pytest.mark.parametrize("rule", rotary.RULES)
-def test_kernel_compiles_for_hopper_without_fused_multiply_adds(rule):
-    """Through Triton's whole GPU pipeline without a GPU, specialized as a Wan2.1-14B 480p launch: no FMA in the PTX
-    (each product rounded on its own, as torch's launches round them: the bit-for-bit claim), and Q/K moved in
-    16-byte vectors."""
+@pytest.mark.parametrize("rule, prefix", [("pair", False), ("element", False), ("element", True)])
+def test_kernel_compiles_for_hopper_without_fused_multiply_adds(rule, prefix):
+    """Through Triton's whole GPU pipeline without a GPU, specialized as a Wan2.1-14B 480p launch (``prefix``: with
+    tables of fewer tokens, as HunyuanVideo's): no FMA in the PTX (each product rounded on its own, as torch's launches
+    round them: the bit-for-bit claim), and Q/K moved in 16-byte vectors."""
     triton = pytest.importorskip("triton")
     import re
 
@@ -239,9 +275,10 @@ def test_kernel_compiles_for_hopper_without_fused_multiply_adds(rule):
     kernel = rotary._rotate_kernel
     bf16, f32 = torch.empty(16, dtype=torch.bfloat16), torch.empty(16, dtype=torch.float32)
     tokens, width = 32760, 40 * 128
-    args = (bf16, bf16, bf16, bf16, f32, f32, tokens, 40, 40, tokens * 3 * width, 3 * width, 128, tokens * width, width,
-            128, 0, 128, 0, 128)  # Q a view into fused QKV projections, K contiguous, frequencies [1, S, 1, 128]
-    constexprs = dict(HALF=64, BLOCK_S=rotary.ROTARY_BLOCK_S, PAIR=rule == "pair")
+    rotated = tokens - 226 if prefix else tokens
+    args = (bf16, bf16, bf16, bf16, f32, f32, tokens, rotated, 40, 40, tokens * 3 * width, 3 * width, 128, tokens * width,
+            width, 128, 0, 128, 0, 128)  # Q a view into fused QKV projections, K contiguous, frequencies [1, R, 1, 128]
+    constexprs = dict(HALF=64, BLOCK_S=rotary.ROTARY_BLOCK_S, PAIR=rule == "pair", PREFIX=prefix)
     signature = {name: mangle_type(arg) for name, arg in zip(kernel.arg_names, args)}
     signature.update({name: "constexpr" for name in constexprs})
     aligned = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(args)

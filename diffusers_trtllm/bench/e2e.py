@@ -235,16 +235,18 @@ class _Enough(Exception):
 
 
 class _SkipStatistics:
-    """SDPA spy: tile criticals of every ``every``-th self/joint call (queries == keys) on a heads subsample."""
+    """SDPA spy: tile criticals of every ``every``-th self/joint call (queries == keys) on a heads subsample. Calls
+    over text alone (``text_tokens`` or fewer: HunyuanVideo's text refiner) are not the video's and are left out."""
 
-    def __init__(self, every: int, max_calls: int, heads: int, stop: bool = False) -> None:
+    def __init__(self, every: int, max_calls: int, heads: int, stop: bool = False, text_tokens: int = 0) -> None:
         self.every, self.max_calls, self.heads, self.stop = max(every, 1), max_calls, heads, stop
+        self.text_tokens = text_tokens
         self.self_calls = 0
         self.kv_len = 0
         self.crits: list[torch.Tensor] = []
 
     def __call__(self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        if q.shape[-2] != k.shape[-2] or len(self.crits) >= self.max_calls:
+        if q.shape[-2] != k.shape[-2] or k.shape[-2] <= self.text_tokens or len(self.crits) >= self.max_calls:
             return
         i, self.self_calls = self.self_calls, self.self_calls + 1
         if i % self.every:
@@ -261,11 +263,12 @@ class _SkipStatistics:
 
 
 def _self_attention_calls(model: torch.nn.Module) -> int:
-    """Self/joint attention modules of ``model`` (calls per forward whose queries are the keys)."""
+    """Self/joint attention modules of ``model`` (calls per forward whose queries are the keys; text refiners not
+    counted)."""
     count = 0
     for key in model.attn_processors:
         name = key.removesuffix(".processor")
-        count += guess_role(name, model.get_submodule(name)) != "cross"
+        count += guess_role(name, model.get_submodule(name)) not in ("cross", "refiner")
     return count
 
 
@@ -319,6 +322,7 @@ class _ModelBench:
         self.model = build_model(spec, device=self.device, dtype=self.dtype, seed=opts.seed, variant=opts.variant)
         self.inputs = model_inputs(spec, self.model, t=opts.t, device=self.device, dtype=self.dtype, seed=opts.seed,
                                    tiny=opts.variant == "tiny")
+        self.text_tokens = spec.tiny_text_tokens if opts.variant == "tiny" else spec.text_tokens
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         result.build_s = time.monotonic() - start
@@ -418,7 +422,8 @@ class _ModelBench:
                         stock_out = self.forward()
                     else:
                         stats = _SkipStatistics(
-                            _self_attention_calls(self.model) // max(opts.ref_layers, 1), opts.ref_layers, opts.ref_heads
+                            _self_attention_calls(self.model) // max(opts.ref_layers, 1), opts.ref_layers, opts.ref_heads,
+                            text_tokens=self.text_tokens,
                         )
                         with spy_sdpa(stats):
                             stock_out = self.forward()
@@ -595,7 +600,8 @@ def probe(
         inputs = model_inputs(spec, model, t=t, device=device, dtype=torch_dtype, seed=seed, tiny=variant == "tiny")
         out[name] = {}
         for contrast in contrasts:
-            stats = _SkipStatistics(1, 1, ref_heads, stop=True)
+            stats = _SkipStatistics(1, 1, ref_heads, stop=True,
+                                    text_tokens=spec.tiny_text_tokens if variant == "tiny" else spec.text_tokens)
             structure = local_attention(model, contrast, seed=seed) if contrast > 0 else contextlib.nullcontext()
             with structure, spy_sdpa(stats), torch.no_grad(), contextlib.suppress(_Enough):
                 model(**inputs)

@@ -30,7 +30,7 @@ class ModelSpec:
     name: str
     #: Diffusers class name (``diffusers.<class_name>``).
     class_name: str
-    family: str  # "wan" or "flux": how inputs are built
+    family: str  # "wan", "flux" or "hunyuanvideo": how inputs are built
     config: dict[str, Any]
     #: Latent of one sample: (channels, frames, height, width) for video, (height, width) for images.
     latent: tuple[int, ...]
@@ -76,6 +76,16 @@ _WAN_480P = (16, 21, 60, 104)
 _WAN_720P = (16, 21, 90, 160)
 _WAN_14B = {**_WAN_21, "ffn_dim": 13824, "num_attention_heads": 40, "num_layers": 40}
 
+#: HunyuanVideo's transformer (hunyuanvideo-community/HunyuanVideo): 20 double-stream and 40 single-stream blocks.
+_HUNYUANVIDEO = {
+    "attention_head_dim": 128, "guidance_embeds": True, "in_channels": 16, "mlp_ratio": 4.0, "num_attention_heads": 24,
+    "num_layers": 20, "num_refiner_layers": 2, "num_single_layers": 40, "out_channels": 16, "patch_size": 2,
+    "patch_size_t": 1, "pooled_projection_dim": 768, "qk_norm": "rms_norm", "rope_axes_dim": [16, 56, 56],
+    "rope_theta": 256.0, "text_embed_dim": 4096,
+}
+#: 544 x 960, 129 frames: VAE strides 4x8x8 give 33 x 68 x 120 latents; patches 1x2x2 give 67,320 tokens.
+_HUNYUANVIDEO_544P = (16, 33, 68, 120)
+
 MODELS: dict[str, ModelSpec] = {
     s.name: s
     for s in (
@@ -112,6 +122,15 @@ MODELS: dict[str, ModelSpec] = {
              "joint_attention_dim": 32, "pooled_projection_dim": 32, "axes_dims_rope": [4, 4, 8], "in_channels": 4},
             (4, 4), 8,
             {"num_layers": 1, "num_single_layers": 0, "num_attention_heads": 2}, contrast=48.0,
+        ),
+        ModelSpec(
+            "hunyuanvideo-544p", "HunyuanVideoTransformer3DModel", "hunyuanvideo", _HUNYUANVIDEO, _HUNYUANVIDEO_544P,
+            256,
+            {"num_layers": 1, "num_single_layers": 1, "num_refiner_layers": 1, "num_attention_heads": 2,
+             "attention_head_dim": 16, "rope_axes_dim": [4, 6, 6], "text_embed_dim": 32, "pooled_projection_dim": 32,
+             "in_channels": 4, "out_channels": 4},
+            (4, 2, 4, 8), 8,
+            {"num_layers": 1, "num_single_layers": 0, "num_refiner_layers": 1, "num_attention_heads": 2},
         ),
     )
 }
@@ -189,5 +208,13 @@ def model_inputs(
                       img_ids=img_ids, txt_ids=torch.zeros(text, 3, device=device, dtype=dtype), return_dict=False)
         if cfg.guidance_embeds:
             inputs["guidance"] = torch.full((1,), 3.5, device=device)
+        return inputs
+    if spec.family == "hunyuanvideo":  # as HunyuanVideoPipeline passes them: guidance scaled by 1000
+        inputs = dict(hidden_states=randn(1, *latent), timestep=timestep,
+                      encoder_hidden_states=randn(1, text, cfg.text_embed_dim),
+                      encoder_attention_mask=torch.ones(1, text, device=device, dtype=torch.long),
+                      pooled_projections=randn(1, cfg.pooled_projection_dim), return_dict=False)
+        if cfg.guidance_embeds:
+            inputs["guidance"] = torch.full((1,), 6000.0, device=device)
         return inputs
     raise ValueError(f"no input builder for family {spec.family!r}.")

@@ -17,6 +17,9 @@ own, as torch's separate launches round them (no fused multiply-add; a sum's ope
 addition does not see, and Flux's ``x * c + (-y) * s`` is exactly ``x * c - y * s``), and the cast rounds to nearest
 even. Elsewhere (CPU, ``torch.compile``, whose Inductor fuses the torch form itself, or inputs outside the kernel's
 layout) :func:`rotate_interleaved_reference` computes the same in torch.
+
+Tables of fewer tokens than Q and K turn that many leading tokens and leave the rest as they are: HunyuanVideo's
+processors rotate the video tokens of a joint sequence whose text tokens follow them.
 """
 
 from __future__ import annotations
@@ -41,8 +44,12 @@ _FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 def rotate_interleaved_reference(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor,
                                  rule: str = "pair") -> torch.Tensor:
-    """``x`` ``[B, S, H, D]`` turned pair by pair under ``rule``, in torch (the tables broadcast against ``x``)."""
+    """``x`` ``[B, S, H, D]`` turned pair by pair under ``rule``, in torch (the tables broadcast against ``x``; tables
+    ``[.., R, 1, D]`` of ``R < S`` tokens turn the first ``R`` and keep the rest)."""
     _check_rule(rule)
+    if x.ndim == 4 and freqs_cos.ndim == 4 and (rotated := freqs_cos.shape[1]) < x.shape[1]:
+        head = rotate_interleaved_reference(x[:, :rotated], freqs_cos, freqs_sin, rule)
+        return torch.cat((head, x[:, rotated:]), dim=1)
     first, second = x.unflatten(-1, (-1, 2)).unbind(-1)
     cos_e, cos_o = freqs_cos[..., 0::2], freqs_cos[..., 1::2]
     sin_e, sin_o = freqs_sin[..., 0::2], freqs_sin[..., 1::2]
@@ -72,13 +79,14 @@ def fused_rotary_reasons(query: torch.Tensor, key: torch.Tensor, freqs_cos: torc
     if freqs_cos.dtype != torch.float32 or freqs_sin.dtype != torch.float32:
         reasons.append(f"frequencies must be float32; got {freqs_cos.dtype}, {freqs_sin.dtype}")
     if query.ndim != 4 or key.ndim != 4 or freqs_cos.ndim != 4 or freqs_sin.shape != freqs_cos.shape:
-        reasons.append("Q and K must be [B, S, H, D] and the frequencies [1 or B, S, 1, D]")
+        reasons.append("Q and K must be [B, S, H, D] and the frequencies [1 or B, S or fewer, 1, D]")
         return reasons
     batch, tokens, _, dim = query.shape
     if key.shape[0] != batch or key.shape[1] != tokens or key.shape[3] != dim:
         reasons.append(f"K {tuple(key.shape)} must have Q's batch, tokens and head dim {tuple(query.shape)}")
-    if freqs_cos.shape[0] not in (1, batch) or tuple(freqs_cos.shape[1:]) != (tokens, 1, dim):
-        reasons.append(f"frequencies {tuple(freqs_cos.shape)} must be [1 or {batch}, {tokens}, 1, {dim}]")
+    if (freqs_cos.shape[0] not in (1, batch) or freqs_cos.shape[1] > tokens
+            or tuple(freqs_cos.shape[2:]) != (1, dim)):
+        reasons.append(f"frequencies {tuple(freqs_cos.shape)} must be [1 or {batch}, at most {tokens}, 1, {dim}]")
     if dim < 2 or dim & (dim - 1):
         reasons.append(f"head dim {dim} must be a power of two")
     if any(t.stride(-1) != 1 for t in (query, key, freqs_cos, freqs_sin)):
@@ -88,8 +96,9 @@ def fused_rotary_reasons(query: torch.Tensor, key: torch.Tensor, freqs_cos: torc
 
 def rotate_interleaved(query: torch.Tensor, key: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor,
                        rule: str = "pair") -> tuple[torch.Tensor, torch.Tensor]:
-    """Q and K ``[B, S, H, D]`` (their own head counts) turned by ``[1 or B, S, 1, D]`` float32 tables under ``rule``;
-    new contiguous tensors, one launch where ``fused_rotary_reasons`` finds nothing against it."""
+    """Q and K ``[B, S, H, D]`` (their own head counts) turned by ``[1 or B, R, 1, D]`` float32 tables under ``rule``
+    (``R <= S``: the first ``R`` tokens; the rest kept); new contiguous tensors, one launch where
+    ``fused_rotary_reasons`` finds nothing against it."""
     _check_rule(rule)
     if fused_rotary_reasons(query, key, freqs_cos, freqs_sin):
         return (rotate_interleaved_reference(query, freqs_cos, freqs_sin, rule),
@@ -110,11 +119,13 @@ def _launch(query: torch.Tensor, key: torch.Tensor, freqs_cos: torch.Tensor, fre
     def batch_stride(freqs: torch.Tensor) -> int:
         return freqs.stride(0) if freqs.shape[0] > 1 else 0
 
+    rotated = freqs_cos.shape[1]
     _rotate_kernel[(triton.cdiv(tokens, ROTARY_BLOCK_S), batch)](
-        query, key, q_out, k_out, freqs_cos, freqs_sin, tokens, query.shape[2], key.shape[2],
+        query, key, q_out, k_out, freqs_cos, freqs_sin, tokens, rotated, query.shape[2], key.shape[2],
         query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
         batch_stride(freqs_cos), freqs_cos.stride(1), batch_stride(freqs_sin), freqs_sin.stride(1),
-        HALF=dim // 2, BLOCK_S=ROTARY_BLOCK_S, PAIR=rule == "pair", num_warps=4, enable_fp_fusion=False,
+        HALF=dim // 2, BLOCK_S=ROTARY_BLOCK_S, PAIR=rule == "pair", PREFIX=rotated < tokens, num_warps=4,
+        enable_fp_fusion=False,
     )
     return q_out, k_out
 
@@ -122,9 +133,10 @@ def _launch(query: torch.Tensor, key: torch.Tensor, freqs_cos: torch.Tensor, fre
 if triton is not None:
 
     @triton.jit
-    def _rotate_heads(x, out, batch, tok, keep, tokens, heads, s_b, s_s, s_h, cos_e, cos_o, sin_e, sin_o,
-                      HALF: tl.constexpr, BLOCK_S: tl.constexpr):
-        """Every head of one tensor for this program's tokens; ``out`` is contiguous ``[B, S, heads, 2 * HALF]``."""
+    def _rotate_heads(x, out, batch, tok, keep, turn, tokens, heads, s_b, s_s, s_h, cos_e, cos_o, sin_e, sin_o,
+                      HALF: tl.constexpr, BLOCK_S: tl.constexpr, PREFIX: tl.constexpr):
+        """Every head of one tensor for this program's tokens; ``out`` is contiguous ``[B, S, heads, 2 * HALF]``
+        (PREFIX: tokens past ``turn`` copied as they are)."""
         col = tl.arange(0, 2 * HALF)
         h = 0
         while h < heads:  # not `for h in range(heads)`: Triton 3.6's interpreter cannot take a runtime bound there
@@ -132,30 +144,37 @@ if triton is not None:
             both = tl.reshape(tl.load(src, mask=keep, other=0.0).to(tl.float32), (BLOCK_S, HALF, 2))
             first, second = tl.split(both)
             turned = tl.join(first * cos_e - second * sin_e, first * sin_o + second * cos_o)
+            if PREFIX:
+                turned = tl.where(tl.reshape(turn, (BLOCK_S, 1, 1)), turned, both)
             dst = out + ((batch * tokens + tok[:, None]) * heads + h) * (2 * HALF) + col[None, :]
             tl.store(dst, tl.reshape(turned, (BLOCK_S, 2 * HALF)).to(out.dtype.element_ty), mask=keep)
             h += 1
 
     @triton.jit
-    def _rotate_kernel(q, k, q_out, k_out, freqs_cos, freqs_sin, tokens, q_heads, k_heads,
+    def _rotate_kernel(q, k, q_out, k_out, freqs_cos, freqs_sin, tokens, rotated, q_heads, k_heads,
                        q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, fc_sb, fc_ss, fs_sb, fs_ss,
-                       HALF: tl.constexpr, BLOCK_S: tl.constexpr, PAIR: tl.constexpr):
-        """Program (token block, batch row): the angles of its tokens read once, then every head of Q and K."""
+                       HALF: tl.constexpr, BLOCK_S: tl.constexpr, PAIR: tl.constexpr, PREFIX: tl.constexpr):
+        """Program (token block, batch row): the angles of its tokens read once, then every head of Q and K. The
+        tables hold ``rotated`` tokens (all ``tokens`` unless PREFIX)."""
         batch = tl.program_id(1)
         tok = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
         pair = tl.arange(0, HALF)
         keep = tok[:, None] < tokens
+        if PREFIX:
+            turn = tok[:, None] < rotated
+        else:
+            turn = keep
         cos = freqs_cos + batch * fc_sb + tok[:, None] * fc_ss + 2 * pair[None, :]
         sin = freqs_sin + batch * fs_sb + tok[:, None] * fs_ss + 2 * pair[None, :]
-        cos_e = tl.load(cos, mask=keep, other=0.0)
-        sin_o = tl.load(sin + 1, mask=keep, other=0.0)
+        cos_e = tl.load(cos, mask=turn, other=0.0)
+        sin_o = tl.load(sin + 1, mask=turn, other=0.0)
         if PAIR:  # Wan's: one cosine (even entry) and one sine (odd entry) per pair
             cos_o = cos_e
             sin_e = sin_o
         else:
-            cos_o = tl.load(cos + 1, mask=keep, other=0.0)
-            sin_e = tl.load(sin, mask=keep, other=0.0)
-        _rotate_heads(q, q_out, batch, tok, keep, tokens, q_heads, q_sb, q_ss, q_sh, cos_e, cos_o, sin_e, sin_o, HALF,
-                      BLOCK_S)
-        _rotate_heads(k, k_out, batch, tok, keep, tokens, k_heads, k_sb, k_ss, k_sh, cos_e, cos_o, sin_e, sin_o, HALF,
-                      BLOCK_S)
+            cos_o = tl.load(cos + 1, mask=turn, other=0.0)
+            sin_e = tl.load(sin, mask=turn, other=0.0)
+        _rotate_heads(q, q_out, batch, tok, keep, turn, tokens, q_heads, q_sb, q_ss, q_sh, cos_e, cos_o, sin_e, sin_o,
+                      HALF, BLOCK_S, PREFIX)
+        _rotate_heads(k, k_out, batch, tok, keep, turn, tokens, k_heads, k_sb, k_ss, k_sh, cos_e, cos_o, sin_e, sin_o,
+                      HALF, BLOCK_S, PREFIX)

@@ -3,9 +3,10 @@
 A stock processor listed in :data:`DEFERRED` is called with its rotary argument set to None; its attention call
 then gets Q and K turned by our one-launch kernel (:func:`diffusers_trtllm.kernels.rotary.rotate_interleaved`,
 bit for bit the processor's values) before anything sees them: our kernels, the stock fallback, the
-calibration pass. That holds only where the processor makes one attention call and rotates exactly its Q and K:
-Wan's attention without image projections (with them, the image call's keys are not rotated, so the layer keeps
-its own rotation), Flux's and Flux.2's attention. Where ``serves`` says no, or the call passes no rotary argument, nothing changes.
+calibration pass. That holds only where the processor makes one attention call and rotates exactly its Q and K (or,
+HunyuanVideo's, their leading video tokens): Wan's attention without image projections (with them, the image
+call's keys are not rotated, so the layer keeps its own rotation), Flux's, Flux.2's, HunyuanVideo's and
+LTX-Video's attention. Where ``serves`` says no, or the call passes no rotary argument, nothing changes.
 docs/design.md, "Rotary embeddings in one launch".
 """
 
@@ -45,11 +46,24 @@ def _wan_rotate(query: torch.Tensor, key: torch.Tensor, rotary_emb: Any) -> tupl
     return rotate_interleaved(query, key, freqs_cos, freqs_sin, rule="pair")
 
 
-def _flux_rotate(query: torch.Tensor, key: torch.Tensor, image_rotary_emb: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flux's (``apply_rotary_emb(x, image_rotary_emb, sequence_dim=1)``): ``[S, D]`` tables put on Q's device and
-    indexed ``[None, :, None, :]`` as Diffusers does, each output its own entries."""
+def _diffusers_rotate(query: torch.Tensor, key: torch.Tensor, image_rotary_emb: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Diffusers' ``apply_rotary_emb(x, image_rotary_emb, sequence_dim=1)``, as Flux's and HunyuanVideo's processors
+    call it: ``[R, D]`` tables put on Q's device and indexed ``[None, :, None, :]`` as Diffusers does, each output its
+    own entries. HunyuanVideo's tables cover the video tokens, which come first in its joint Q and K (the text's
+    follow, unturned): the first ``R`` tokens are turned."""
     freqs_cos, freqs_sin = (f.to(query.device)[None, :, None, :] for f in image_rotary_emb)
     return rotate_interleaved(query, key, freqs_cos, freqs_sin, rule="element")
+
+
+def _ltx_rotate(query: torch.Tensor, key: torch.Tensor, image_rotary_emb: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """LTX-Video's (its module's ``apply_rotary_emb``, on Q and K before they are split into heads): ``[B, S, H * D]``
+    tables, one pair of entries per channel pair, which split into heads give each (token, head) its own
+    ``[D]`` row; so tokens and heads are taken as one axis of ``S * H`` rows of one head."""
+    batch, tokens, heads, dim = query.shape
+    freqs_cos, freqs_sin = (f.reshape(f.shape[0], tokens * heads, 1, dim) for f in image_rotary_emb)
+    q, k = rotate_interleaved(query.reshape(batch, tokens * heads, 1, dim), key.reshape(batch, tokens * heads, 1, dim),
+                              freqs_cos, freqs_sin, rule="element")
+    return q.view(query.shape), k.view(key.shape)
 
 
 def _without_image_projections(attn: torch.nn.Module) -> bool:
@@ -61,17 +75,21 @@ def _always(attn: torch.nn.Module) -> bool:
 
 
 _WAN = DeferredRotary("rotary_emb", _wan_rotate, _without_image_projections)
-_FLUX = DeferredRotary("image_rotary_emb", _flux_rotate, _always)
+_DIFFUSERS = DeferredRotary("image_rotary_emb", _diffusers_rotate, _always)
+_LTX = DeferredRotary("image_rotary_emb", _ltx_rotate, _always)
 #: Stock processor classes (module and qualified name, matched exactly: a subclass may rotate otherwise): Wan's and
 #: the copies of it (ChronoEdit, Wan-Animate, SkyReels-V2); Flux's and Flux.2's, which rotate the joint Q and K of
-#: their one attention call.
+#: their one attention call; HunyuanVideo's (1.0, its FramePack form, 1.5), which rotate the video tokens of theirs;
+#: LTX-Video's self-attention (its cross-attention gets no rotary argument).
 DEFERRED: dict[str, DeferredRotary] = {
     **{f"diffusers.models.transformers.{name}": _WAN for name in (
         "transformer_wan.WanAttnProcessor", "transformer_chronoedit.WanAttnProcessor",
         "transformer_wan_animate.WanAttnProcessor", "transformer_skyreels_v2.SkyReelsV2AttnProcessor")},
-    **{f"diffusers.models.transformers.{name}": _FLUX for name in (
+    **{f"diffusers.models.transformers.{name}": _DIFFUSERS for name in (
         "transformer_flux.FluxAttnProcessor", "transformer_flux2.Flux2AttnProcessor",
-        "transformer_flux2.Flux2ParallelSelfAttnProcessor")},
+        "transformer_flux2.Flux2ParallelSelfAttnProcessor", "transformer_hunyuan_video.HunyuanVideoAttnProcessor2_0",
+        "transformer_hunyuan_video15.HunyuanVideo15AttnProcessor2_0")},
+    "diffusers.models.transformers.transformer_ltx.LTXVideoAttnProcessor": _LTX,
 }
 
 

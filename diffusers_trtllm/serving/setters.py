@@ -11,7 +11,7 @@ The wrapping lasts while a layer of ours lives, or a processor of ours that has 
 layer yet (:func:`hold_setters`, from its construction, since ``set_attn_processor(proc)`` is
 an install no hook of ours sees). After the last ``uninstall`` Diffusers is its own again
 (:func:`restore_if_unused`), and putting a processor back with Diffusers' setter binds lazily,
-from the stock processor ``uninstall`` put back (:func:`restored_stock`). Our class is named
+from the stock processor ``uninstall`` (or a setter replacing ours) put back (:func:`restored_stock`). Our class is named
 in Diffusers' layer-skip registry for the same time (:mod:`.guidance`). See docs/design.md
 ("Process-wide state").
 """
@@ -79,7 +79,7 @@ def recorded_replacement(module: torch.nn.Module, current: Any) -> Any:
 
 
 def restored_stock(module: torch.nn.Module) -> Any:
-    """The stock processor ``uninstall`` put back on ``module`` (None if it put none back)."""
+    """The stock processor ``uninstall``, or a setter replacing ours, put back on ``module`` (None if none was)."""
     return _restored.get(module)
 
 
@@ -152,6 +152,7 @@ def _patch_diffusers(ours: type) -> None:
                 processor.bind(self, replaced=recorded_replacement(self, replaced))
             elif layer_of(self) is not None:
                 drop_layer(self, restore=False, ours=ours)
+                _restored[self] = processor  # the stock again, should ours be put back once these setters are Diffusers'
                 restore_if_unused(collect=False)
 
         _WRAPPED.append((cls, "set_processor", original))
