@@ -322,7 +322,7 @@ class _ModelBench:
         self.model = build_model(spec, device=self.device, dtype=self.dtype, seed=opts.seed, variant=opts.variant)
         self.inputs = model_inputs(spec, self.model, t=opts.t, device=self.device, dtype=self.dtype, seed=opts.seed,
                                    tiny=opts.variant == "tiny")
-        self.text_tokens = spec.tiny_text_tokens if opts.variant == "tiny" else spec.text_tokens
+        self.text_tokens = spec.text_tokens_of(opts.variant == "tiny")
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         result.build_s = time.monotonic() - start
@@ -600,8 +600,7 @@ def probe(
         inputs = model_inputs(spec, model, t=t, device=device, dtype=torch_dtype, seed=seed, tiny=variant == "tiny")
         out[name] = {}
         for contrast in contrasts:
-            stats = _SkipStatistics(1, 1, ref_heads, stop=True,
-                                    text_tokens=spec.tiny_text_tokens if variant == "tiny" else spec.text_tokens)
+            stats = _SkipStatistics(1, 1, ref_heads, stop=True, text_tokens=spec.text_tokens_of(variant == "tiny"))
             structure = local_attention(model, contrast, seed=seed) if contrast > 0 else contextlib.nullcontext()
             with structure, spy_sdpa(stats), torch.no_grad(), contextlib.suppress(_Enough):
                 model(**inputs)

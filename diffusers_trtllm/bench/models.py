@@ -44,12 +44,16 @@ class ModelSpec:
     #: threshold 0.05 (``e2e --probe`` on the CPU, benchmarks/README.md).
     contrast: float = 32.0
 
+    def text_tokens_of(self, tiny: bool) -> int:
+        """Text tokens of the inputs, full size or ``tiny``."""
+        return self.tiny_text_tokens if tiny else self.text_tokens
+
     def describe(self, variant: str = "full") -> str:
         tiny = variant == "tiny"
         latent = self.tiny_latent if tiny else self.latent
         overrides = {"tiny": self.tiny_config, "probe": self.probe_config}.get(variant, {})
         changed = f" ({variant}: {', '.join(f'{k}={v}' for k, v in overrides.items())})" if overrides else ""
-        text = self.tiny_text_tokens if tiny else self.text_tokens
+        text = self.text_tokens_of(tiny)
         return f"{self.class_name}{changed}, latent {'x'.join(map(str, latent))}, {text} text tokens"
 
 
@@ -188,7 +192,7 @@ def model_inputs(
     """
     cfg = model.config
     latent = latent or (spec.tiny_latent if tiny else spec.latent)
-    text = spec.tiny_text_tokens if tiny else spec.text_tokens
+    text = spec.text_tokens_of(tiny)
     gen = torch.Generator(device=device).manual_seed(seed)
 
     def randn(*shape: int) -> torch.Tensor:
