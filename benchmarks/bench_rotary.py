@@ -4,7 +4,8 @@
 
 On a full-size attention module of the shape's family (random weights, bf16: Wan2.1-14B's for ``wan_*``,
 Flux.1-dev's single-stream block for ``flux_*``, HunyuanVideo's single-stream block with its 256 text tokens for
-``hunyuanvideo_*``, LTX-Video's self-attention for ``ltx_*``), Diffusers' own processor is timed with its rotary
+``hunyuanvideo_*``, LTX-Video's self-attention for ``ltx_*``, Qwen-Image's joint attention with its 256 text tokens
+for ``qwenimage_*``), Diffusers' own processor is timed with its rotary
 embedding and without (its attention call replaced by a copy of Q, so the difference is the rotation alone, the
 projections and QK norms the same in both), beside what our processor runs in its stead on the same Q and K (the
 family's ``serving.rotary.DEFERRED`` entry: :func:`rotate_interleaved` under the family's rule), and its outputs are
@@ -39,8 +40,10 @@ class Family:
     width: int        # the module's input width
     argument: str     # the processor's rotary parameter
     rule: str         # kernels.rotary's rule
-    tables: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # [S, D] tables as passed
-    text_tokens: int = 0  # text tokens the processor joins after the video's (HunyuanVideo's single-stream block)
+    #: The processor's tables from ``[S, D]`` cosines and sines of the image's (or video's) ``S`` tokens and then the
+    #: text's (rows the family does not turn are left out).
+    tables: Callable[[torch.Tensor, torch.Tensor, int], Any]
+    text_tokens: int = 0  # text tokens the processor joins to the video's (HunyuanVideo's after, Qwen-Image's before)
 
 
 def _wan():
@@ -75,19 +78,38 @@ def _ltx():
     return attn, transformer_ltx.LTXVideoAttnProcessor()
 
 
+def _qwenimage():
+    from diffusers.models.attention_processor import Attention
+    from diffusers.models.transformers import transformer_qwenimage
+
+    processor = transformer_qwenimage.QwenDoubleStreamAttnProcessor2_0()
+    attn = Attention(query_dim=3072, cross_attention_dim=None, added_kv_proj_dim=3072, dim_head=128, heads=24,
+                     out_dim=3072, context_pre_only=False, bias=True, processor=processor, qk_norm="rms_norm", eps=1e-6)
+    return attn, processor
+
+
+def _complex(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Qwen-Image's table form: ``[S, D / 2]`` complex ``cos + i sin`` (one angle a pair)."""
+    return torch.complex(cos[:, 0::2], sin[:, 1::2])
+
+
 #: Shapes of the families not in the attention benchmark's list: (video tokens, head dim). HunyuanVideo at 544 x 960,
-#: 129 frames (33 x 68 x 120 latents, 1 x 2 x 2 patches); LTX-Video at 768 x 512, 121 frames (16 x 16 x 24 latents).
-EXTRA_SHAPES = {"hunyuanvideo_544p": (67320, 128), "ltx_768x512": (6144, 64)}
+#: 129 frames (33 x 68 x 120 latents, 1 x 2 x 2 patches); LTX-Video at 768 x 512, 121 frames (16 x 16 x 24 latents);
+#: Qwen-Image at 1024 x 1024 (128 x 128 latents, 2 x 2 patches).
+EXTRA_SHAPES = {"hunyuanvideo_544p": (67320, 128), "ltx_768x512": (6144, 64), "qwenimage_1024": (4096, 128)}
 
 FAMILIES = {
     "wan": Family("diffusers.models.transformers.transformer_wan", _wan, 5120, "rotary_emb", "pair",
-                  lambda cos, sin: (cos[None, :, None, :], sin[None, :, None, :])),
+                  lambda cos, sin, s: (cos[None, :, None, :], sin[None, :, None, :])),
     "flux": Family("diffusers.models.transformers.transformer_flux", _flux, 3072, "image_rotary_emb", "element",
-                   lambda cos, sin: (cos, sin)),
+                   lambda cos, sin, s: (cos, sin)),
     "hunyuanvideo": Family("diffusers.models.transformers.transformer_hunyuan_video", _hunyuanvideo, 3072,
-                           "image_rotary_emb", "element", lambda cos, sin: (cos, sin), text_tokens=256),
+                           "image_rotary_emb", "element", lambda cos, sin, s: (cos[:s], sin[:s]), text_tokens=256),
     "ltx": Family("diffusers.models.transformers.transformer_ltx", _ltx, 2048, "image_rotary_emb", "element",
-                  lambda cos, sin: (cos.repeat(1, 32)[None], sin.repeat(1, 32)[None])),  # [1, S, heads * head dim]
+                  lambda cos, sin, s: (cos.repeat(1, 32)[None], sin.repeat(1, 32)[None])),  # [1, S, heads * head dim]
+    "qwenimage": Family("diffusers.models.transformers.transformer_qwenimage", _qwenimage, 3072, "image_rotary_emb",
+                        "complex", lambda cos, sin, s: (_complex(cos[:s], sin[:s]), _complex(cos[s:], sin[s:])),
+                        text_tokens=256),
 }
 
 
@@ -107,8 +129,8 @@ def measure(shape_name: str, device: torch.device, iters: int) -> dict:
     if family.text_tokens:
         text["encoder_hidden_states"] = torch.randn(1, family.text_tokens, family.width, device=device,
                                                     dtype=torch.bfloat16, generator=g)
-    angle = torch.rand(tokens, head_dim // 2, device=device, generator=g) * 100
-    tables = family.tables(angle.cos().repeat_interleave(2, -1), angle.sin().repeat_interleave(2, -1))
+    angle = torch.rand(tokens + family.text_tokens, head_dim // 2, device=device, generator=g) * 100
+    tables = family.tables(angle.cos().repeat_interleave(2, -1), angle.sin().repeat_interleave(2, -1), tokens)
     seen: dict[str, torch.Tensor] = {}
 
     def record(query, key, value, **kwargs):  # the attention call, replaced: Q and K as the processor rotated them
@@ -162,7 +184,7 @@ def markdown(result: dict) -> str:
              f"`{result['command']}`", "",
              "One self-attention call (bf16, batch 1; Wan2.1-14B's for `wan_*`, a Flux.1-dev single-stream block's "
              "for `flux_*`, a HunyuanVideo single-stream block's with 256 text tokens for `hunyuanvideo_*`, "
-             "LTX-Video's for `ltx_*`): Diffusers' processor with and without its rotary embedding (attention call replaced by a "
+             "LTX-Video's for `ltx_*`, Qwen-Image's joint attention with 256 text tokens for `qwenimage_*`): Diffusers' processor with and without its rotary embedding (attention call replaced by a "
              "copy of Q; the difference is the rotation), and our rotation (`serving.rotary`: Q and K in one launch) "
              "on the same Q and K. `bit-equal`: our Q and K equal the stock processor's.", "",
              "| shape | tokens | stock processor (ms) | without rotary (ms) | stock rotation (ms) | ours (ms) | "

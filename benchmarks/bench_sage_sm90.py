@@ -94,7 +94,7 @@ def _compiled_by(nvcc: str, fn):
 
 
 def run_shape(shape, builds, quants, targets, iters, locality, k_mean, v_mean, nvcc=None, reach_spread=0.0,
-              with_triton_skip=True, alternate_skip=False, alternate_builds=False) -> list[dict]:
+              with_triton_skip=True, alternate_skip=False, alternate_builds=False, rounds=8) -> list[dict]:
     dev = torch.device("cuda")
     q, k, v = (x[0].contiguous() for x in structured_qkv(shape, locality, device=dev, k_mean=k_mean, v_mean=v_mean,
                                                          reach_spread=reach_spread))
@@ -145,14 +145,18 @@ def run_shape(shape, builds, quants, targets, iters, locality, k_mean, v_mean, n
             if alternate_skip and name == "default":  # skip's gain or cost, clear of drift between rows
                 skip_off = functools.partial(sage_sm90_attention, q, k, v, layout, softmax_scale=scale, quant=qc,
                                              defines=defines)
+                # The same call against itself: the spread of these ratios is the timing's own, the yardstick for
+                # the others.
+                impls[f"sage-sm90[{name}{tag}]: skip off | skip off, alternating"] = Alternating(
+                    lambda off=skip_off: off().out, lambda off=skip_off: off().out, rounds)
                 for label in ["+skiptiny", *(label for label, _ in at_targets)]:
                     impl = f"sage-sm90[{name}{tag}]{label}"
                     impls[f"{impl}: skip off | skip on, alternating"] = Alternating(
-                        lambda off=skip_off: off().out, impls[impl])
+                        lambda off=skip_off: off().out, impls[impl], rounds)
             if alternate_builds and name != "default":  # a build's gain or cost, clear of drift between rows
                 for label in ["", "+skiptiny", "+skipall", *(label for label, _ in at_targets)]:
                     impls[f"sage-sm90[default{tag}] | [{name}{tag}]{label}, alternating"] = Alternating(
-                        impls[f"sage-sm90[default{tag}]{label}"], impls[f"sage-sm90[{name}{tag}]{label}"])
+                        impls[f"sage-sm90[default{tag}]{label}"], impls[f"sage-sm90[{name}{tag}]{label}"], rounds)
         # Where a whole call's time goes (default build): the quantizer alone, the kernel alone on its output.
         quantized = sage_sm90_quantize(q, k, v, layout, qc)
         impls[f"sage-sm90{tag} quantizer only"] = functools.partial(quantize_only, qc)
@@ -165,13 +169,13 @@ def run_shape(shape, builds, quants, targets, iters, locality, k_mean, v_mean, n
                     nvcc, lambda f=factor, qc=qc: sage_sm90_attention(q, k, v, layout, softmax_scale=scale, quant=qc,
                                                                       skip_factor=f).out)
             impls[f"sage-sm90[default{tag}] kernel only: NVRTC | nvcc, alternating"] = Alternating(
-                kernel_only, _compiled_by(nvcc, kernel_only))
+                kernel_only, _compiled_by(nvcc, kernel_only), rounds)
     rows, base = [], None
     for name, fn in impls.items():
         try:
             out = fn()
             if isinstance(fn, Alternating):
-                times = fn.time(dev, iters)
+                times, ratios = fn.time(dev, iters)
                 t = times[0]
             else:
                 times, t = None, time_fn(fn, dev, warmup=3, iters=iters, max_seconds=4.0).median_ms
@@ -183,7 +187,9 @@ def run_shape(shape, builds, quants, targets, iters, locality, k_mean, v_mean, n
         row = dict(shape=shape.name, impl=name, ms=t, vs_cudnn=base / t, tflops=shape.flops() / t / 1e9,
                    host_ms=host_ms(fn) if t < 5.0 else None)
         if times is not None:
-            row.update(ms_second=times[1], second_vs_first=times[0] / times[1])
+            q1, median, q3 = statistics.quantiles(ratios, n=4)
+            row.update(ms_second=times[1], second_vs_first=times[0] / times[1], round_ratios=ratios,
+                       round_ratio_median=median, round_ratio_quartiles=[q1, q3])
         if out is not None:  # (the quantizer's row has no attention output)
             o = out.reshape(q.shape)[:, heads].float()
             row.update(rel_l1=rel_l1(o, ref), cosine=cosine(o, ref))
@@ -193,15 +199,17 @@ def run_shape(shape, builds, quants, targets, iters, locality, k_mean, v_mean, n
         rows.append(row)
         extra = f"  skipped {row['skipped']:.3f}" if "skipped" in row else ""
         if times is not None:
-            extra += f"  second {times[1]:.3f} ms (first / second time {times[0] / times[1]:.4f})"
+            extra += (f"  second {times[1]:.3f} ms (first / second time {times[0] / times[1]:.4f}; per round: median "
+                      f"{row['round_ratio_median']:.4f}, middle half {q1:.4f}-{q3:.4f})")
         print(f"{shape.name:14s} {name:34s} {t:8.3f} ms {base / t:6.3f}x  rel-L1 {row.get('rel_l1', float('nan')):.4f}  "
               f"host {row['host_ms'] or float('nan'):.3f} ms{extra}", flush=True)
     return rows
 
 
 class Alternating:
-    """Two callables timed in alternating rounds (first, second, first, ...), so that a clock or thermal drift
-    over the run weighs on both alike: each one's time is the median of its rounds' medians."""
+    """Two callables timed in alternating rounds (first, second, second, first, ...), so that a clock or thermal drift
+    over the run weighs on both alike: each one's time is the median of its rounds' medians, and each round gives
+    a paired ratio (first / second), whose spread says how far a ratio can be trusted."""
 
     def __init__(self, first, second, rounds: int = 8) -> None:
         self.first, self.second, self.rounds = first, second, rounds
@@ -209,13 +217,15 @@ class Alternating:
     def __call__(self):
         return self.first()
 
-    def time(self, dev: torch.device, iters: int) -> tuple[float, float]:
+    def time(self, dev: torch.device, iters: int) -> tuple[tuple[float, float], list[float]]:
         self.second()  # (built and warm before the first round)
         medians: tuple[list[float], list[float]] = ([], [])
-        for _ in range(self.rounds):
-            for fn, out in zip((self.first, self.second), medians):
+        for i in range(self.rounds):  # first, second; second, first; ...: a drift within a round cancels in pairs
+            pairs = list(zip((self.first, self.second), medians))
+            for fn, out in pairs if i % 2 == 0 else pairs[::-1]:
                 out.append(time_fn(fn, dev, warmup=1, iters=iters, max_seconds=2.0).median_ms)
-        return statistics.median(medians[0]), statistics.median(medians[1])
+        ratios = [a / b for a, b in zip(*medians)]
+        return (statistics.median(medians[0]), statistics.median(medians[1])), ratios
 
 
 def host_ms(fn, calls: int = 20) -> float:
@@ -249,21 +259,32 @@ def markdown(result: dict) -> str:
              "`host ms`: CPU time to enqueue one call (measured on calls under 5 ms); a call cannot run faster.", "",
              "`skipped`: the fraction of 64 x 128 tiles the kernel skipped, by its own counter. A row timed "
              "`alternating` gives the first call's time (before the `|` in its name), and the second's in `ms` after "
-             "the `|`: each the median of eight rounds taken in turn.", "",
+             "the `|`: each the median of its rounds, taken in turn (the paired ratios per round: the table below).", "",
              "| shape | implementation | ms | vs cuDNN | skipped | rel-L1 | cosine | host ms |",
              "|---|---|---:|---:|---:|---:|---:|---:|"]
 
     def cell(value, fmt):
         return "" if value is None else format(value, fmt)
 
+    def name(r):  # (an alternating row's "|" would end the cell)
+        return r["impl"].replace("|", "\\|")
+
     for r in result["rows"]:
         if "error" in r:
-            lines.append(f"| {r['shape']} | {r['impl']} | failed: {r['error']} | | | | | |")
+            lines.append(f"| {r['shape']} | {name(r)} | failed: {r['error']} | | | | | |")
         else:
             ms = f"{r['ms']:.3f}" + (f" \\| {r['ms_second']:.3f}" if "ms_second" in r else "")
-            lines.append(f"| {r['shape']} | {r['impl']} | {ms} | {r['vs_cudnn']:.3f}x | {cell(r.get('skipped'), '.3f')} | "
+            lines.append(f"| {r['shape']} | {name(r)} | {ms} | {r['vs_cudnn']:.3f}x | {cell(r.get('skipped'), '.3f')} | "
                          f"{cell(r.get('rel_l1'), '.4f')} | {cell(r.get('cosine'), '.5f')} | "
                          f"{cell(r.get('host_ms'), '.3f')} |")
+    paired = [r for r in result["rows"] if "round_ratios" in r]
+    if paired:
+        lines += ["", "Alternating rows, first / second time per round (above 1: the second is faster):", "",
+                  "| shape | pair | median | middle half | min - max | rounds |", "|---|---|---:|---:|---:|---:|"]
+        for r in paired:
+            q1, q3 = r["round_ratio_quartiles"]
+            lines.append(f"| {r['shape']} | {name(r)} | {r['round_ratio_median']:.4f} | {q1:.4f} - {q3:.4f} | "
+                         f"{min(r['round_ratios']):.4f} - {max(r['round_ratios']):.4f} | {len(r['round_ratios'])} |")
     return "\n".join(lines) + "\n"
 
 
@@ -299,6 +320,7 @@ def main() -> None:
     p.add_argument("--alternate-builds", action="store_true",
                    help="also time each build other than the default against the default in alternating rounds, with skip "
                         "off, at nothing skipped and at each target (list default first)")
+    p.add_argument("--rounds", type=int, default=8, help="rounds of each alternating pair")
     p.add_argument("--replot", metavar="JSON", help="only redraw the skip curve of a results file (no GPU needed)")
     args = p.parse_args()
     if args.replot:
@@ -326,7 +348,7 @@ def main() -> None:
     for shape in parse_shapes(args.shapes):
         rows += run_shape(shape, builds, quants, targets, args.iters, args.locality, args.k_mean, args.v_mean,
                           args.nvcc, args.reach_spread, not args.no_triton_skip, args.alternate_skip,
-                          args.alternate_builds)
+                          args.alternate_builds, args.rounds)
         torch.cuda.empty_cache()
     if args.out:
         write_result(args.out, "bench_sage_sm90.py",

@@ -1,4 +1,4 @@
-"""Wan's, Flux's, HunyuanVideo's and LTX-Video's rotary embeddings applied by us at the attention call (``serving.rotary``, ``kernels.rotary``):
+"""Wan's, Flux's, HunyuanVideo's, LTX-Video's and Qwen-Image's rotary embeddings applied by us at the attention call (``serving.rotary``, ``kernels.rotary``):
 the same values as the families' own processors, on the CPU through the torch form and in Triton's interpreter
 through the kernel; the layers where it must not happen keep their own rotation."""
 
@@ -46,7 +46,15 @@ def flux_rotation(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Ten
     return apply_rotary_emb(x, (freqs_cos[0, :, 0], freqs_sin[0, :, 0]), sequence_dim=1)
 
 
-STOCK = {"pair": wan_rotation, "element": flux_rotation}
+def qwen_rotation(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:
+    """Qwen-Image's processor's rotation: ``apply_rotary_emb_qwen(x, freqs_cis, use_real=False)`` with the complex
+    ``[S, D / 2]`` table ``cos + i sin`` (the pair rule's entries)."""
+    from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb_qwen
+
+    return apply_rotary_emb_qwen(x, torch.complex(freqs_cos[0, :, 0, 0::2], freqs_sin[0, :, 0, 1::2]), use_real=False)
+
+
+STOCK = {"pair": wan_rotation, "element": flux_rotation, "complex": qwen_rotation}
 
 
 @pytest.mark.parametrize("rule", rotary.RULES)
@@ -94,6 +102,18 @@ _CHILD = r"""
 import json, torch
 from diffusers_trtllm.kernels import rotary
 cases = []
+
+# torch's complex multiply as it runs on CUDA (two fused multiply-adds: a * c - b * d as fma(a, c, -(b * d)),
+# a * d + b * c as fma(a, d, b * c)), emulated in float64: a float32 product is exact there, so each fma rounds once
+# but where float64's own rounding of the sum lands on a float32 tie, which these seeds do not meet.
+def cuda_complex(x, cos, sin):
+    rows = cos.shape[1]
+    a, b = x[:, :rows].double().unflatten(-1, (-1, 2)).unbind(-1)
+    c, s = cos[..., 0::2].double(), sin[..., 1::2].double()
+    re = (a * c - (b * s).float().double()).float()
+    im = (a * s + (b * c).float().double()).float()
+    return torch.cat((torch.stack((re, im), -1).flatten(-2), x[:, rows:].float()), dim=1)
+
 for rule, dtype in ((r, d) for r in rotary.RULES for d in (torch.bfloat16, torch.float16, torch.float32)):
     for batch, tokens, heads, k_heads, dim, freq_batch, rows in (
             (1, 37, 3, 3, 16, 1, 37), (2, 20, 2, 1, 8, 2, 20), (2, 5, 1, 2, 4, 1, 5), (2, 37, 2, 2, 8, 1, 21)):
@@ -106,7 +126,8 @@ for rule, dtype in ((r, d) for r in rotary.RULES for d in (torch.bfloat16, torch
         got = rotary._launch(q, k, cos, sin, rule)
         ok = []
         for x, out in zip((q, k), got):
-            exact = rotary.rotate_interleaved_reference(x.float(), cos, sin, rule)
+            exact = (cuda_complex(x.float(), cos, sin) if rule == "complex"
+                     else rotary.rotate_interleaved_reference(x.float(), cos, sin, rule))
             # The interpreter casts float32 to bfloat16 by truncation (the GPU rounds to nearest even, as torch):
             # there the kernel's float32 values are checked through that cast.
             want = ((exact.view(torch.int32) & ~0xFFFF).view(torch.float32).to(dtype) if dtype == torch.bfloat16
@@ -124,7 +145,7 @@ def test_kernel_under_interpreter_gives_the_torch_values():
     run = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, env=env, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
     cases = json.loads(run.stdout.strip().splitlines()[-1])
-    assert len(cases) == 24 and all(c["ok"] for c in cases), cases
+    assert len(cases) == 36 and all(c["ok"] for c in cases), cases
 
 
 # ---- at the attention call ---------------------------------------------------------------------------------
@@ -187,6 +208,24 @@ def test_ltx_forward_is_stocks_bit_for_bit_with_our_rotation(monkeypatch):
     model, ours, stock = _ours_and_stock("ltx")
     assert torch.equal(ours, stock)
     assert len(seen) == len(model.transformer_blocks)  # self-attention; cross-attention gets no rotary argument
+
+
+def test_qwenimage_forward_is_stocks_bit_for_bit_with_our_rotation(monkeypatch):
+    seen = _count_rotations(monkeypatch)
+    model, ours, stock = _ours_and_stock("qwenimage")
+    assert torch.equal(ours, stock)
+    # Each block's one joint call turns its text tokens, then its image's, each by their own tables.
+    _, inputs = tiny_models.build("qwenimage")
+    joint = inputs["encoder_hidden_states"].shape[1] + inputs["hidden_states"].shape[1]
+    assert len(seen) == len(model.transformer_blocks) and all(shape[1] == joint for shape in seen)
+
+
+def test_qwenimage_tables_of_another_length_are_refused():
+    table = torch.polar(torch.ones(5, 8), torch.randn(5, 8))
+    q = torch.zeros(1, 9, 2, 16)
+    with pytest.raises(ValueError, match="cover 5 text and 5 image tokens, but the joint Q holds 9"):
+        serving_rotary.DEFERRED["diffusers.models.transformers.transformer_qwenimage.QwenDoubleStreamAttnProcessor2_0"] \
+            .rotate(q, q, (table, table))
 
 
 def test_image_projections_keep_their_own_rotation():
@@ -260,11 +299,12 @@ def test_every_listed_processor_exists_and_takes_the_argument(name):
     assert entry is not None and _parameters(processor)[entry.index] == entry.argument
 
 
-@pytest.mark.parametrize("rule, prefix", [("pair", False), ("element", False), ("element", True)])
+@pytest.mark.parametrize("rule, prefix", [("pair", False), ("element", False), ("element", True), ("complex", False)])
 def test_kernel_compiles_for_hopper_without_fused_multiply_adds(rule, prefix):
     """Through Triton's whole GPU pipeline without a GPU, specialized as a Wan2.1-14B 480p launch (``prefix``: with
     tables of fewer tokens, as HunyuanVideo's): no FMA in the PTX (each product rounded on its own, as torch's launches
-    round them: the bit-for-bit claim), and Q/K moved in 16-byte vectors."""
+    round them: the bit-for-bit claim) but the complex rule's two a pair (torch's complex multiply on CUDA), and Q/K
+    moved in 16-byte vectors."""
     triton = pytest.importorskip("triton")
     import re
 
@@ -278,7 +318,8 @@ def test_kernel_compiles_for_hopper_without_fused_multiply_adds(rule, prefix):
     rotated = tokens - 226 if prefix else tokens
     args = (bf16, bf16, bf16, bf16, f32, f32, tokens, rotated, 40, 40, tokens * 3 * width, 3 * width, 128, tokens * width,
             width, 128, 0, 128, 0, 128)  # Q a view into fused QKV projections, K contiguous, frequencies [1, R, 1, 128]
-    constexprs = dict(HALF=64, BLOCK_S=rotary.ROTARY_BLOCK_S, PAIR=rule == "pair", PREFIX=prefix)
+    constexprs = dict(HALF=64, BLOCK_S=rotary.ROTARY_BLOCK_S, PAIR=rule != "element", COMPLEX=rule == "complex",
+                      PREFIX=prefix)
     signature = {name: mangle_type(arg) for name, arg in zip(kernel.arg_names, args)}
     signature.update({name: "constexpr" for name in constexprs})
     aligned = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(args)
@@ -291,6 +332,7 @@ def test_kernel_compiles_for_hopper_without_fused_multiply_adds(rule, prefix):
             pytest.skip(f"this Triton cannot compile for CUDA: {exc}")
         raise
     ptx = compiled.asm["ptx"]
-    assert not re.search(r"\bfma\.", ptx)
+    fmas, products = (len(re.findall(rf"\b{op}\.rn\.f32", ptx)) for op in ("fma", "mul"))
+    assert (fmas, products > 0) == ((products, True) if rule == "complex" else (0, True))
     assert set(re.findall(r"st\.global[.\w]*", ptx)) == {"st.global.v4.b32"}
     assert "ld.global.v4.b32" in ptx

@@ -1,22 +1,28 @@
-"""Rotary position embedding over interleaved pairs, Q and K in one launch (Wan's and Flux's rules).
+"""Rotary position embedding over interleaved pairs, Q and K in one launch (Wan's, Flux's and Qwen-Image's rules).
 
-Both families' processors turn each pair ``(x[2j], x[2j + 1])`` of a head by an angle read from float32 tables
+These families' processors turn each pair ``(x[2j], x[2j + 1])`` of a head by an angle read from float32 tables
 ``freqs_cos``, ``freqs_sin`` of the head's width, in float32, rounded back to ``x``'s dtype::
 
     out[2j]     = x[2j] * C_E - x[2j + 1] * S_E
     out[2j + 1] = x[2j] * S_O + x[2j + 1] * C_O
 
-They differ in which entries they read (``rule``): ``"pair"`` (Wan's processor) one cosine and one sine per pair,
-C_E = C_O = ``freqs_cos[..., 2j]`` and S_E = S_O = ``freqs_sin[..., 2j + 1]``; ``"element"`` (Diffusers'
-``apply_rotary_emb`` with ``use_real_unbind_dim=-1``, which Flux calls) each output its own entries, C_E, S_E at
-``2j`` and C_O, S_O at ``2j + 1``. Eager torch spends seven or eight launches a tensor on either, through float32
-intermediates: 5.8 ms of each self-attention call of a Wan2.1-14B 480p forward on an H100, against 0.6 ms here
-(docs/design.md, "Rotary embeddings in one launch"). :func:`rotate_interleaved` does Q and K in one Triton launch
-that reads each once and writes each once, bit for bit the same values: every product and sum is rounded on its
-own, as torch's separate launches round them (no fused multiply-add; a sum's operands may be swapped, which IEEE
-addition does not see, and Flux's ``x * c + (-y) * s`` is exactly ``x * c - y * s``), and the cast rounds to nearest
-even. Elsewhere (CPU, ``torch.compile``, whose Inductor fuses the torch form itself, or inputs outside the kernel's
-layout) :func:`rotate_interleaved_reference` computes the same in torch.
+They differ in which entries they read and how they round (``rule``): ``"pair"`` (Wan's processor) one cosine and one
+sine per pair, C_E = C_O = ``freqs_cos[..., 2j]`` and S_E = S_O = ``freqs_sin[..., 2j + 1]``; ``"element"``
+(Diffusers' ``apply_rotary_emb`` with ``use_real_unbind_dim=-1``, which Flux calls) each output its own entries,
+C_E, S_E at ``2j`` and C_O, S_O at ``2j + 1``; ``"complex"`` (Qwen-Image's ``apply_rotary_emb_qwen(...,
+use_real=False)``: each pair a complex number times a table entry ``c + i s``) the entries ``"pair"`` reads, from a
+complex table viewed as float32 pairs (``c`` at ``2j``, ``s`` at ``2j + 1``) passed as both tables, rounded as torch's
+complex multiply rounds on CUDA: ``fma(x[2j], c, -(x[2j + 1] * s))`` and ``fma(x[2j], s, x[2j + 1] * c)``, c10::complex's
+``a * c - b * d`` and ``a * d + b * c`` as torch's CUDA build contracts them (found on an H200 against torch's own
+product). Eager torch spends seven or eight launches a tensor on the first two through float32 intermediates (three
+on Qwen-Image's): 5.8 ms of each self-attention call of a Wan2.1-14B 480p forward on an H100, against 0.6 ms here
+(docs/design.md, "Rotary embeddings in one launch"). :func:`rotate_interleaved` does Q and K in one Triton launch that
+reads each once and writes each once, bit for bit the same values: every product and sum is rounded on its own, as
+torch's separate launches round them (no fused multiply-add but the complex rule's two; a sum's operands may be
+swapped, which IEEE addition does not see, and Flux's ``x * c + (-y) * s`` is exactly ``x * c - y * s``), and the
+cast rounds to nearest even. Elsewhere (CPU, ``torch.compile``, whose Inductor fuses the torch form itself, or inputs
+outside the kernel's layout) :func:`rotate_interleaved_reference` computes the same in torch (under ``"complex"``,
+torch's complex multiply on the tensors' own device).
 
 Tables of fewer tokens than Q and K turn that many leading tokens and leave the rest as they are: HunyuanVideo's
 processors rotate the video tokens of a joint sequence whose text tokens follow them.
@@ -35,7 +41,7 @@ except ImportError:  # the torch form serves every call
 __all__ = ["RULES", "rotate_interleaved", "rotate_interleaved_reference", "fused_rotary_reasons"]
 
 #: Which table entries a pair's outputs read (module docstring).
-RULES = ("pair", "element")
+RULES = ("pair", "element", "complex")
 
 #: Tokens per program: with 128-dim heads, each head's step moves a 4 KB tile of Q or K in and out.
 ROTARY_BLOCK_S = 16
@@ -50,6 +56,10 @@ def rotate_interleaved_reference(x: torch.Tensor, freqs_cos: torch.Tensor, freqs
     if x.ndim == 4 and freqs_cos.ndim == 4 and (rotated := freqs_cos.shape[1]) < x.shape[1]:
         head = rotate_interleaved_reference(x[:, :rotated], freqs_cos, freqs_sin, rule)
         return torch.cat((head, x[:, rotated:]), dim=1)
+    if rule == "complex":  # torch's complex multiply, as the family runs it on this device
+        table = torch.complex(freqs_cos[..., 0::2], freqs_sin[..., 1::2])
+        pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+        return torch.view_as_real(pairs * table).flatten(-2).to(x.dtype)
     first, second = x.unflatten(-1, (-1, 2)).unbind(-1)
     cos_e, cos_o = freqs_cos[..., 0::2], freqs_cos[..., 1::2]
     sin_e, sin_o = freqs_sin[..., 0::2], freqs_sin[..., 1::2]
@@ -124,7 +134,8 @@ def _launch(query: torch.Tensor, key: torch.Tensor, freqs_cos: torch.Tensor, fre
         query, key, q_out, k_out, freqs_cos, freqs_sin, tokens, rotated, query.shape[2], key.shape[2],
         query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
         batch_stride(freqs_cos), freqs_cos.stride(1), batch_stride(freqs_sin), freqs_sin.stride(1),
-        HALF=dim // 2, BLOCK_S=ROTARY_BLOCK_S, PAIR=rule == "pair", PREFIX=rotated < tokens, num_warps=4,
+        HALF=dim // 2, BLOCK_S=ROTARY_BLOCK_S, PAIR=rule != "element", COMPLEX=rule == "complex",
+        PREFIX=rotated < tokens, num_warps=4,
         enable_fp_fusion=False,
     )
     return q_out, k_out
@@ -134,16 +145,20 @@ if triton is not None:
 
     @triton.jit
     def _rotate_heads(x, out, batch, tok, keep, turn, tokens, heads, s_b, s_s, s_h, cos_e, cos_o, sin_e, sin_o,
-                      HALF: tl.constexpr, BLOCK_S: tl.constexpr, PREFIX: tl.constexpr):
+                      HALF: tl.constexpr, BLOCK_S: tl.constexpr, COMPLEX: tl.constexpr, PREFIX: tl.constexpr):
         """Every head of one tensor for this program's tokens; ``out`` is contiguous ``[B, S, heads, 2 * HALF]``
-        (PREFIX: tokens past ``turn`` copied as they are)."""
+        (COMPLEX: torch's complex multiply on CUDA, with its two fused multiply-adds; PREFIX: tokens past ``turn``
+        copied as they are)."""
         col = tl.arange(0, 2 * HALF)
         h = 0
         while h < heads:  # not `for h in range(heads)`: Triton 3.6's interpreter cannot take a runtime bound there
             src = x + batch * s_b + tok[:, None] * s_s + h * s_h + col[None, :]
             both = tl.reshape(tl.load(src, mask=keep, other=0.0).to(tl.float32), (BLOCK_S, HALF, 2))
             first, second = tl.split(both)
-            turned = tl.join(first * cos_e - second * sin_e, first * sin_o + second * cos_o)
+            if COMPLEX:
+                turned = tl.join(tl.fma(first, cos_e, -(second * sin_e)), tl.fma(first, sin_o, second * cos_o))
+            else:
+                turned = tl.join(first * cos_e - second * sin_e, first * sin_o + second * cos_o)
             if PREFIX:
                 turned = tl.where(tl.reshape(turn, (BLOCK_S, 1, 1)), turned, both)
             dst = out + ((batch * tokens + tok[:, None]) * heads + h) * (2 * HALF) + col[None, :]
@@ -153,7 +168,8 @@ if triton is not None:
     @triton.jit
     def _rotate_kernel(q, k, q_out, k_out, freqs_cos, freqs_sin, tokens, rotated, q_heads, k_heads,
                        q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, fc_sb, fc_ss, fs_sb, fs_ss,
-                       HALF: tl.constexpr, BLOCK_S: tl.constexpr, PAIR: tl.constexpr, PREFIX: tl.constexpr):
+                       HALF: tl.constexpr, BLOCK_S: tl.constexpr, PAIR: tl.constexpr, COMPLEX: tl.constexpr,
+                       PREFIX: tl.constexpr):
         """Program (token block, batch row): the angles of its tokens read once, then every head of Q and K. The
         tables hold ``rotated`` tokens (all ``tokens`` unless PREFIX)."""
         batch = tl.program_id(1)
@@ -168,13 +184,13 @@ if triton is not None:
         sin = freqs_sin + batch * fs_sb + tok[:, None] * fs_ss + 2 * pair[None, :]
         cos_e = tl.load(cos, mask=turn, other=0.0)
         sin_o = tl.load(sin + 1, mask=turn, other=0.0)
-        if PAIR:  # Wan's: one cosine (even entry) and one sine (odd entry) per pair
+        if PAIR:  # Wan's and Qwen-Image's: one cosine (even entry) and one sine (odd entry) per pair
             cos_o = cos_e
             sin_e = sin_o
         else:
             cos_o = tl.load(cos + 1, mask=turn, other=0.0)
             sin_e = tl.load(sin, mask=turn, other=0.0)
         _rotate_heads(q, q_out, batch, tok, keep, turn, tokens, q_heads, q_sb, q_ss, q_sh, cos_e, cos_o, sin_e, sin_o,
-                      HALF, BLOCK_S, PREFIX)
+                      HALF, BLOCK_S, COMPLEX, PREFIX)
         _rotate_heads(k, k_out, batch, tok, keep, turn, tokens, k_heads, k_sb, k_ss, k_sh, cos_e, cos_o, sin_e, sin_o,
-                      HALF, BLOCK_S, PREFIX)
+                      HALF, BLOCK_S, COMPLEX, PREFIX)

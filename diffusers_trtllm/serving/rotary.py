@@ -5,8 +5,8 @@ then gets Q and K turned by our one-launch kernel (:func:`diffusers_trtllm.kerne
 bit for bit the processor's values) before anything sees them: our kernels, the stock fallback, the
 calibration pass. That holds only where the processor makes one attention call and rotates exactly its Q and K (or,
 HunyuanVideo's, their leading video tokens): Wan's attention without image projections (with them, the image
-call's keys are not rotated, so the layer keeps its own rotation), Flux's, Flux.2's, HunyuanVideo's and
-LTX-Video's attention. Where ``serves`` says no, or the call passes no rotary argument, nothing changes.
+call's keys are not rotated, so the layer keeps its own rotation), Flux's, Flux.2's, HunyuanVideo's,
+LTX-Video's and Qwen-Image's attention. Where ``serves`` says no, or the call passes no rotary argument, nothing changes.
 docs/design.md, "Rotary embeddings in one launch".
 """
 
@@ -66,6 +66,20 @@ def _ltx_rotate(query: torch.Tensor, key: torch.Tensor, image_rotary_emb: Any) -
     return q.view(query.shape), k.view(key.shape)
 
 
+def _qwen_rotate(query: torch.Tensor, key: torch.Tensor, image_rotary_emb: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen-Image's (``apply_rotary_emb_qwen(..., use_real=False)`` on the image's and the text's Q and K, before they
+    are joined text first): complex ``[S, D / 2]`` tables ``(image, text)``, joined in the same order and viewed as
+    float32 pairs, for the ``"complex"`` rule."""
+    image_freqs, text_freqs = image_rotary_emb
+    table = torch.cat((text_freqs, image_freqs)).to(query.device)
+    if table.shape[0] != query.shape[1]:
+        raise ValueError(f"Qwen-Image's rotary tables cover {text_freqs.shape[0]} text and {image_freqs.shape[0]} image "
+                         f"tokens, but the joint Q holds {query.shape[1]}: pass the tables its transformer made for "
+                         "these inputs.")
+    pairs = torch.view_as_real(table).flatten(-2)[None, :, None, :]
+    return rotate_interleaved(query, key, pairs, pairs, rule="complex")
+
+
 def _without_image_projections(attn: torch.nn.Module) -> bool:
     return getattr(attn, "add_k_proj", None) is None
 
@@ -77,10 +91,12 @@ def _always(attn: torch.nn.Module) -> bool:
 _WAN = DeferredRotary("rotary_emb", _wan_rotate, _without_image_projections)
 _DIFFUSERS = DeferredRotary("image_rotary_emb", _diffusers_rotate, _always)
 _LTX = DeferredRotary("image_rotary_emb", _ltx_rotate, _always)
+_QWEN = DeferredRotary("image_rotary_emb", _qwen_rotate, _always)
 #: Stock processor classes (module and qualified name, matched exactly: a subclass may rotate otherwise): Wan's and
 #: the copies of it (ChronoEdit, Wan-Animate, SkyReels-V2); Flux's and Flux.2's, which rotate the joint Q and K of
 #: their one attention call; HunyuanVideo's (1.0, its FramePack form, 1.5), which rotate the video tokens of theirs;
-#: LTX-Video's self-attention (its cross-attention gets no rotary argument).
+#: LTX-Video's self-attention (its cross-attention gets no rotary argument); Qwen-Image's joint attention (its text's and
+#: image's Q and K each rotated by their own tables, then joined).
 DEFERRED: dict[str, DeferredRotary] = {
     **{f"diffusers.models.transformers.{name}": _WAN for name in (
         "transformer_wan.WanAttnProcessor", "transformer_chronoedit.WanAttnProcessor",
@@ -90,6 +106,7 @@ DEFERRED: dict[str, DeferredRotary] = {
         "transformer_flux2.Flux2ParallelSelfAttnProcessor", "transformer_hunyuan_video.HunyuanVideoAttnProcessor2_0",
         "transformer_hunyuan_video15.HunyuanVideo15AttnProcessor2_0")},
     "diffusers.models.transformers.transformer_ltx.LTXVideoAttnProcessor": _LTX,
+    "diffusers.models.transformers.transformer_qwenimage.QwenDoubleStreamAttnProcessor2_0": _QWEN,
 }
 
 
