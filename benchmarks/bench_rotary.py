@@ -184,7 +184,8 @@ def markdown(result: dict) -> str:
              f"`{result['command']}`", "",
              "One self-attention call (bf16, batch 1; Wan2.1-14B's for `wan_*`, a Flux.1-dev single-stream block's "
              "for `flux_*`, a HunyuanVideo single-stream block's with 256 text tokens for `hunyuanvideo_*`, "
-             "LTX-Video's for `ltx_*`, Qwen-Image's joint attention with 256 text tokens for `qwenimage_*`): Diffusers' processor with and without its rotary embedding (attention call replaced by a "
+             "LTX-Video's for `ltx_*`, Qwen-Image's joint attention with 256 text tokens for `qwenimage_*`): Diffusers' "
+             "processor with and without its rotary embedding (attention call replaced by a "
              "copy of Q; the difference is the rotation), and our rotation (`serving.rotary`: Q and K in one launch) "
              "on the same Q and K. `bit-equal`: our Q and K equal the stock processor's.", "",
              "| shape | tokens | stock processor (ms) | without rotary (ms) | stock rotation (ms) | ours (ms) | "

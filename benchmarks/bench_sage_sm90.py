@@ -259,7 +259,8 @@ def markdown(result: dict) -> str:
              "`host ms`: CPU time to enqueue one call (measured on calls under 5 ms); a call cannot run faster.", "",
              "`skipped`: the fraction of 64 x 128 tiles the kernel skipped, by its own counter. A row timed "
              "`alternating` gives the first call's time (before the `|` in its name), and the second's in `ms` after "
-             "the `|`: each the median of its rounds, taken in turn (the paired ratios per round: the table below).", "",
+             "the `|`: each the median of its rounds, taken in turn (the paired ratios per round: the table "
+             "below).", "",
              "| shape | implementation | ms | vs cuDNN | skipped | rel-L1 | cosine | host ms |",
              "|---|---|---:|---:|---:|---:|---:|---:|"]
 
@@ -334,6 +335,8 @@ def main() -> None:
     if unknown:
         p.error(f"unknown quants {unknown}; known: {', '.join(QUANTS)}")
     quants = {x: QUANTS[x] for x in args.quants.split(",") if x}
+    if args.rounds < 2:
+        p.error(f"--rounds must be at least 2 (a ratio's spread needs two); got {args.rounds}")
     if args.alternate_builds and "default" not in builds:
         p.error("--alternate-builds times the other builds against the default: add default to --builds")
     if args.build_only:

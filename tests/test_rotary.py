@@ -1,5 +1,5 @@
-"""Wan's, Flux's, HunyuanVideo's, LTX-Video's and Qwen-Image's rotary embeddings applied by us at the attention call (``serving.rotary``, ``kernels.rotary``):
-the same values as the families' own processors, on the CPU through the torch form and in Triton's interpreter
+"""Wan's, Flux's, HunyuanVideo's, LTX-Video's and Qwen-Image's rotary embeddings applied by us at the attention call
+(``serving.rotary``, ``kernels.rotary``): the same values as the families' own processors, on the CPU through the torch form and in Triton's interpreter
 through the kernel; the layers where it must not happen keep their own rotation."""
 
 from __future__ import annotations
@@ -214,18 +214,16 @@ def test_qwenimage_forward_is_stocks_bit_for_bit_with_our_rotation(monkeypatch):
     seen = _count_rotations(monkeypatch)
     model, ours, stock = _ours_and_stock("qwenimage")
     assert torch.equal(ours, stock)
-    # Each block's one joint call turns its text tokens, then its image's, each by their own tables.
-    _, inputs = tiny_models.build("qwenimage")
-    joint = inputs["encoder_hidden_states"].shape[1] + inputs["hidden_states"].shape[1]
-    assert len(seen) == len(model.transformer_blocks) and all(shape[1] == joint for shape in seen)
+    # Each block's one joint call turns its 8 text tokens, then its 16 image tokens, each by their own tables.
+    assert len(seen) == len(model.transformer_blocks) and all(shape[1] == 8 + 16 for shape in seen)
 
 
 def test_qwenimage_tables_of_another_length_are_refused():
     table = torch.polar(torch.ones(5, 8), torch.randn(5, 8))
     q = torch.zeros(1, 9, 2, 16)
+    entry = serving_rotary.DEFERRED["diffusers.models.transformers.transformer_qwenimage.QwenDoubleStreamAttnProcessor2_0"]
     with pytest.raises(ValueError, match="cover 5 text and 5 image tokens, but the joint Q holds 9"):
-        serving_rotary.DEFERRED["diffusers.models.transformers.transformer_qwenimage.QwenDoubleStreamAttnProcessor2_0"] \
-            .rotate(q, q, (table, table))
+        entry.rotate(q, q, (table, table))
 
 
 def test_image_projections_keep_their_own_rotation():

@@ -11,18 +11,18 @@ sine per pair, C_E = C_O = ``freqs_cos[..., 2j]`` and S_E = S_O = ``freqs_sin[..
 (Diffusers' ``apply_rotary_emb`` with ``use_real_unbind_dim=-1``, which Flux calls) each output its own entries,
 C_E, S_E at ``2j`` and C_O, S_O at ``2j + 1``; ``"complex"`` (Qwen-Image's ``apply_rotary_emb_qwen(...,
 use_real=False)``: each pair a complex number times a table entry ``c + i s``) the entries ``"pair"`` reads, from a
-complex table viewed as float32 pairs (``c`` at ``2j``, ``s`` at ``2j + 1``) passed as both tables, rounded as torch's
-complex multiply rounds on CUDA: ``fma(x[2j], c, -(x[2j + 1] * s))`` and ``fma(x[2j], s, x[2j + 1] * c)``, c10::complex's
-``a * c - b * d`` and ``a * d + b * c`` as torch's CUDA build contracts them (found on an H200 against torch's own
-product). Eager torch spends seven or eight launches a tensor on the first two through float32 intermediates (three
-on Qwen-Image's): 5.8 ms of each self-attention call of a Wan2.1-14B 480p forward on an H100, against 0.6 ms here
-(docs/design.md, "Rotary embeddings in one launch"). :func:`rotate_interleaved` does Q and K in one Triton launch that
-reads each once and writes each once, bit for bit the same values: every product and sum is rounded on its own, as
-torch's separate launches round them (no fused multiply-add but the complex rule's two; a sum's operands may be
-swapped, which IEEE addition does not see, and Flux's ``x * c + (-y) * s`` is exactly ``x * c - y * s``), and the
-cast rounds to nearest even. Elsewhere (CPU, ``torch.compile``, whose Inductor fuses the torch form itself, or inputs
-outside the kernel's layout) :func:`rotate_interleaved_reference` computes the same in torch (under ``"complex"``,
-torch's complex multiply on the tensors' own device).
+complex table viewed as float32 pairs (``c`` at ``2j``, ``s`` at ``2j + 1``) passed as both tables, rounded as
+torch's complex multiply rounds on CUDA: ``fma(x[2j], c, -(x[2j + 1] * s))`` and ``fma(x[2j], s, x[2j + 1] * c)``,
+c10::complex's ``a * c - b * d`` and ``a * d + b * c`` as torch's CUDA build contracts them (found on an H200
+against torch's own product). Eager torch spends seven or eight launches a tensor on the first two through float32
+intermediates (three on Qwen-Image's): 5.8 ms of each self-attention call of a Wan2.1-14B 480p forward on an H100,
+against 0.6 ms here (docs/design.md, "Rotary embeddings in one launch"). :func:`rotate_interleaved` does Q and K in
+one Triton launch that reads each once and writes each once, bit for bit the same values: every product and sum is
+rounded on its own, as torch's separate launches round them (no fused multiply-add but the complex rule's two; a
+sum's operands may be swapped, which IEEE addition does not see, and Flux's ``x * c + (-y) * s`` is exactly
+``x * c - y * s``), and the cast rounds to nearest even. Elsewhere (CPU, ``torch.compile``, whose Inductor fuses the
+torch form itself, or inputs outside the kernel's layout) :func:`rotate_interleaved_reference` computes the same in
+torch (under ``"complex"``, torch's complex multiply on the tensors' own device).
 
 Tables of fewer tokens than Q and K turn that many leading tokens and leave the rest as they are: HunyuanVideo's
 processors rotate the video tokens of a joint sequence whose text tokens follow them.

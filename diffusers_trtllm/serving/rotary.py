@@ -6,7 +6,8 @@ bit for bit the processor's values) before anything sees them: our kernels, the 
 calibration pass. That holds only where the processor makes one attention call and rotates exactly its Q and K (or,
 HunyuanVideo's, their leading video tokens): Wan's attention without image projections (with them, the image
 call's keys are not rotated, so the layer keeps its own rotation), Flux's, Flux.2's, HunyuanVideo's,
-LTX-Video's and Qwen-Image's attention. Where ``serves`` says no, or the call passes no rotary argument, nothing changes.
+LTX-Video's and Qwen-Image's attention. Where ``serves`` says no, or the call passes no rotary argument, nothing
+changes.
 docs/design.md, "Rotary embeddings in one launch".
 """
 
@@ -73,9 +74,9 @@ def _qwen_rotate(query: torch.Tensor, key: torch.Tensor, image_rotary_emb: Any) 
     image_freqs, text_freqs = image_rotary_emb
     table = torch.cat((text_freqs, image_freqs)).to(query.device)
     if table.shape[0] != query.shape[1]:
-        raise ValueError(f"Qwen-Image's rotary tables cover {text_freqs.shape[0]} text and {image_freqs.shape[0]} image "
-                         f"tokens, but the joint Q holds {query.shape[1]}: pass the tables its transformer made for "
-                         "these inputs.")
+        raise ValueError(f"Qwen-Image's rotary tables cover {text_freqs.shape[0]} text and {image_freqs.shape[0]} "
+                         f"image tokens, but the joint Q holds {query.shape[1]}: pass the tables its transformer made "
+                         "for these inputs.")
     pairs = torch.view_as_real(table).flatten(-2)[None, :, None, :]
     return rotate_interleaved(query, key, pairs, pairs, rule="complex")
 
@@ -95,8 +96,8 @@ _QWEN = DeferredRotary("image_rotary_emb", _qwen_rotate, _always)
 #: Stock processor classes (module and qualified name, matched exactly: a subclass may rotate otherwise): Wan's and
 #: the copies of it (ChronoEdit, Wan-Animate, SkyReels-V2); Flux's and Flux.2's, which rotate the joint Q and K of
 #: their one attention call; HunyuanVideo's (1.0, its FramePack form, 1.5), which rotate the video tokens of theirs;
-#: LTX-Video's self-attention (its cross-attention gets no rotary argument); Qwen-Image's joint attention (its text's and
-#: image's Q and K each rotated by their own tables, then joined).
+#: LTX-Video's self-attention (its cross-attention gets no rotary argument); Qwen-Image's joint attention (its text's
+#: and image's Q and K each rotated by their own tables, then joined).
 DEFERRED: dict[str, DeferredRotary] = {
     **{f"diffusers.models.transformers.{name}": _WAN for name in (
         "transformer_wan.WanAttnProcessor", "transformer_chronoedit.WanAttnProcessor",
