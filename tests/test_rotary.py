@@ -1,6 +1,7 @@
 """Wan's, Flux's, HunyuanVideo's, LTX-Video's and Qwen-Image's rotary embeddings applied by us at the attention call
-(``serving.rotary``, ``kernels.rotary``): the same values as the families' own processors, on the CPU through the torch form and in Triton's interpreter
-through the kernel; the layers where it must not happen keep their own rotation."""
+(``serving.rotary``, ``kernels.rotary``): the same values as the families' own processors, on the CPU through the
+torch form and in Triton's interpreter through the kernel; the layers where it must not happen keep their own
+rotation."""
 
 from __future__ import annotations
 
