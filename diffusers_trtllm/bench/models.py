@@ -30,7 +30,7 @@ class ModelSpec:
     name: str
     #: Diffusers class name (``diffusers.<class_name>``).
     class_name: str
-    family: str  # "wan", "flux" or "hunyuanvideo": how inputs are built
+    family: str  # "wan", "flux", "hunyuanvideo" or "ltx": how inputs are built
     config: dict[str, Any]
     #: Latent of one sample: (channels, frames, height, width) for video, (height, width) for images.
     latent: tuple[int, ...]
@@ -90,6 +90,16 @@ _HUNYUANVIDEO = {
 #: 544 x 960, 129 frames: VAE strides 4x8x8 give 33 x 68 x 120 latents; patches 1x2x2 give 67,320 tokens.
 _HUNYUANVIDEO_544P = (16, 33, 68, 120)
 
+#: LTX-Video's transformer (Lightricks/LTX-Video, 2B): 28 blocks of 32 heads of 64, self- and cross-attention.
+_LTX = {
+    "activation_fn": "gelu-approximate", "attention_bias": True, "attention_head_dim": 64, "attention_out_bias": True,
+    "caption_channels": 4096, "cross_attention_dim": 2048, "in_channels": 128, "norm_elementwise_affine": False,
+    "norm_eps": 1e-6, "num_attention_heads": 32, "num_layers": 28, "out_channels": 128, "patch_size": 1,
+    "patch_size_t": 1, "qk_norm": "rms_norm_across_heads",
+}
+#: 768 x 512, 121 frames: VAE strides 8x32x32 give 16 x 16 x 24 latents, 6,144 tokens.
+_LTX_768 = (128, 16, 16, 24)
+
 MODELS: dict[str, ModelSpec] = {
     s.name: s
     for s in (
@@ -135,6 +145,14 @@ MODELS: dict[str, ModelSpec] = {
              "in_channels": 4, "out_channels": 4},
             (4, 2, 4, 8), 8,
             {"num_layers": 1, "num_single_layers": 0, "num_refiner_layers": 1, "num_attention_heads": 2},
+        ),
+        ModelSpec(
+            "ltx-video-768x512", "LTXVideoTransformer3DModel", "ltx", _LTX, _LTX_768, 128,
+            {"num_layers": 1, "num_attention_heads": 2, "attention_head_dim": 8, "cross_attention_dim": 16,
+             "caption_channels": 16, "in_channels": 8, "out_channels": 8},
+            (8, 2, 4, 4), 8,
+            # contrast 20: 50.9% of the self-attention tiles skipped at 0.05 (``e2e --probe --device cpu``).
+            {"num_layers": 1, "num_attention_heads": 2}, contrast=20.0,
         ),
     )
 }
@@ -221,4 +239,10 @@ def model_inputs(
         if cfg.guidance_embeds:
             inputs["guidance"] = torch.full((1,), 6000.0, device=device)
         return inputs
+    if spec.family == "ltx":  # as LTXPipeline passes them: tokens packed, the latent grid and RoPE scale beside
+        channels, frames, height, width = latent
+        return dict(hidden_states=randn(1, frames * height * width, channels), timestep=timestep,
+                    encoder_hidden_states=randn(1, text, cfg.caption_channels),
+                    encoder_attention_mask=torch.ones(1, text, device=device, dtype=torch.long), num_frames=frames,
+                    height=height, width=width, rope_interpolation_scale=(8 / 25, 32, 32), return_dict=False)
     raise ValueError(f"no input builder for family {spec.family!r}.")
