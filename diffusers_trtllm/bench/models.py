@@ -30,7 +30,7 @@ class ModelSpec:
     name: str
     #: Diffusers class name (``diffusers.<class_name>``).
     class_name: str
-    family: str  # "wan", "flux", "hunyuanvideo" or "ltx": how inputs are built
+    family: str  # "wan", "flux", "hunyuanvideo", "ltx" or "qwenimage": how inputs are built
     config: dict[str, Any]
     #: Latent of one sample: (channels, frames, height, width) for video, (height, width) for images.
     latent: tuple[int, ...]
@@ -100,6 +100,12 @@ _LTX = {
 #: 768 x 512, 121 frames: VAE strides 8x32x32 give 16 x 16 x 24 latents, 6,144 tokens.
 _LTX_768 = (128, 16, 16, 24)
 
+#: Qwen-Image's transformer (Qwen/Qwen-Image, 20B): 60 double-stream blocks of 24 heads of 128.
+_QWENIMAGE = {
+    "attention_head_dim": 128, "axes_dims_rope": [16, 56, 56], "guidance_embeds": False, "in_channels": 64,
+    "joint_attention_dim": 3584, "num_attention_heads": 24, "num_layers": 60, "out_channels": 16, "patch_size": 2,
+}
+
 MODELS: dict[str, ModelSpec] = {
     s.name: s
     for s in (
@@ -154,6 +160,15 @@ MODELS: dict[str, ModelSpec] = {
             # contrast 20: 50.9% of the self-attention tiles skipped at 0.05 (``e2e --probe --device cpu``).
             {"num_layers": 1, "num_attention_heads": 2}, contrast=20.0,
         ),
+        ModelSpec(
+            # 1024x1024: VAE stride 8 and 2x2 packing give a 64 x 64 token grid.
+            "qwen-image", "QwenImageTransformer2DModel", "qwenimage", _QWENIMAGE, (64, 64), 256,
+            {"num_layers": 1, "num_attention_heads": 2, "attention_head_dim": 16, "joint_attention_dim": 16,
+             "axes_dims_rope": [8, 4, 4], "in_channels": 16, "out_channels": 4},
+            (4, 4), 8,
+            # contrast 48: 49.0% of the joint attention's tiles skipped at 0.05 (``e2e --probe --device cpu``).
+            {"num_layers": 1, "num_attention_heads": 2}, contrast=48.0,
+        ),
     )
 }
 
@@ -190,7 +205,8 @@ def build_model(
 
 def normalized_to_model_timestep(spec: ModelSpec, t: float) -> float:
     """What the family's pipeline passes as ``timestep`` at normalized time ``t`` (1 = noise)."""
-    return t if spec.family == "flux" else t * 1000.0  # Flux's pipeline divides by 1000; Wan passes raw steps
+    # Flux's and Qwen-Image's pipelines divide by 1000; Wan's, HunyuanVideo's and LTX-Video's pass raw steps.
+    return t if spec.family in ("flux", "qwenimage") else t * 1000.0
 
 
 def model_inputs(
@@ -245,4 +261,10 @@ def model_inputs(
                     encoder_hidden_states=randn(1, text, cfg.caption_channels),
                     encoder_attention_mask=torch.ones(1, text, device=device, dtype=torch.long), num_frames=frames,
                     height=height, width=width, rope_interpolation_scale=(8 / 25, 32, 32), return_dict=False)
+    if spec.family == "qwenimage":  # as QwenImagePipeline passes them: packed tokens, the token grid beside
+        h, w = latent
+        return dict(hidden_states=randn(1, h * w, cfg.in_channels), timestep=timestep,
+                    encoder_hidden_states=randn(1, text, cfg.joint_attention_dim),
+                    encoder_hidden_states_mask=torch.ones(1, text, device=device, dtype=torch.long),
+                    img_shapes=[[(1, h, w)]], return_dict=False)
     raise ValueError(f"no input builder for family {spec.family!r}.")
