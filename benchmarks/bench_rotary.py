@@ -5,7 +5,7 @@
 On a full-size attention module of the shape's family (random weights, bf16: Wan2.1-14B's for ``wan_*``,
 Flux.1-dev's single-stream block for ``flux_*``, HunyuanVideo's single-stream block with its 256 text tokens for
 ``hunyuanvideo_*``, LTX-Video's self-attention for ``ltx_*``, Qwen-Image's joint attention with its 256 text tokens
-for ``qwenimage_*``), Diffusers' own processor is timed with its rotary
+for ``qwenimage_*``, CogVideoX-5B's with its 226 for ``cogvideox_*``), Diffusers' own processor is timed with its rotary
 embedding and without (its attention call replaced by a copy of Q, so the difference is the rotation alone, the
 projections and QK norms the same in both), beside what our processor runs in its stead on the same Q and K (the
 family's ``serving.rotary.DEFERRED`` entry: :func:`rotate_interleaved` under the family's rule), and its outputs are
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -35,7 +36,7 @@ from diffusers_trtllm.serving.rotary import DEFERRED  # noqa: E402
 class Family:
     """A family's attention module and processor at full size, and how it takes its rotary tables."""
 
-    module: str       # the Diffusers module whose dispatch_attention_fn the processor calls
+    module: str       # the Diffusers module whose dispatch_attention_fn (or F, ``sdpa``) the processor calls
     build: Callable[[], tuple[torch.nn.Module, Any]]  # (attention module, stock processor)
     width: int        # the module's input width
     argument: str     # the processor's rotary parameter
@@ -43,7 +44,8 @@ class Family:
     #: The processor's tables from ``[S, D]`` cosines and sines of the image's (or video's) ``S`` tokens and then the
     #: text's (rows the family does not turn are left out).
     tables: Callable[[torch.Tensor, torch.Tensor, int], Any]
-    text_tokens: int = 0  # text tokens the processor joins to the video's (HunyuanVideo's after, Qwen-Image's before)
+    text_tokens: int = 0  # text tokens the processor joins to the video's (HunyuanVideo's after, the others' before)
+    sdpa: bool = False  # the processor calls F.scaled_dot_product_attention ([B, H, S, D]), not dispatch_attention_fn
 
 
 def _wan():
@@ -88,6 +90,15 @@ def _qwenimage():
     return attn, processor
 
 
+def _cogvideox():
+    from diffusers.models.attention_processor import Attention, CogVideoXAttnProcessor2_0
+
+    processor = CogVideoXAttnProcessor2_0()
+    attn = Attention(query_dim=3072, dim_head=64, heads=48, qk_norm="layer_norm", eps=1e-6, bias=True, out_bias=True,
+                     processor=processor)
+    return attn, processor
+
+
 def _complex(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Qwen-Image's table form: ``[S, D / 2]`` complex ``cos + i sin`` (one angle a pair)."""
     return torch.complex(cos[:, 0::2], sin[:, 1::2])
@@ -95,8 +106,10 @@ def _complex(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 #: Shapes of the families not in the attention benchmark's list: (video tokens, head dim). HunyuanVideo at 544 x 960,
 #: 129 frames (33 x 68 x 120 latents, 1 x 2 x 2 patches); LTX-Video at 768 x 512, 121 frames (16 x 16 x 24 latents);
-#: Qwen-Image at 1024 x 1024 (128 x 128 latents, 2 x 2 patches).
-EXTRA_SHAPES = {"hunyuanvideo_544p": (67320, 128), "ltx_768x512": (6144, 64), "qwenimage_1024": (4096, 128)}
+#: Qwen-Image at 1024 x 1024 (128 x 128 latents, 2 x 2 patches); CogVideoX-5B at 720 x 480, 49 frames (13 x 60 x 90
+#: latents, 2 x 2 patches).
+EXTRA_SHAPES = {"hunyuanvideo_544p": (67320, 128), "ltx_768x512": (6144, 64), "qwenimage_1024": (4096, 128),
+                "cogvideox_720x480": (17550, 64)}
 
 FAMILIES = {
     "wan": Family("diffusers.models.transformers.transformer_wan", _wan, 5120, "rotary_emb", "pair",
@@ -110,6 +123,8 @@ FAMILIES = {
     "qwenimage": Family("diffusers.models.transformers.transformer_qwenimage", _qwenimage, 3072, "image_rotary_emb",
                         "complex", lambda cos, sin, s: (_complex(cos[:s], sin[:s]), _complex(cos[s:], sin[s:])),
                         text_tokens=256),
+    "cogvideox": Family("diffusers.models.attention_processor", _cogvideox, 3072, "image_rotary_emb", "element",
+                        lambda cos, sin, s: (cos[:s], sin[:s]), text_tokens=226, sdpa=True),
 }
 
 
@@ -133,8 +148,8 @@ def measure(shape_name: str, device: torch.device, iters: int) -> dict:
     tables = family.tables(angle.cos().repeat_interleave(2, -1), angle.sin().repeat_interleave(2, -1), tokens)
     seen: dict[str, torch.Tensor] = {}
 
-    def record(query, key, value, **kwargs):  # the attention call, replaced: Q and K as the processor rotated them
-        seen["q"], seen["k"] = query, key
+    def record(query, key, value, *args, **kwargs):  # the attention call, replaced: Q and K as rotated, [B, S, H, D]
+        seen["q"], seen["k"] = (query.transpose(1, 2), key.transpose(1, 2)) if family.sdpa else (query, key)
         return query.clone()
 
     def run(rotary):
@@ -143,8 +158,11 @@ def measure(shape_name: str, device: torch.device, iters: int) -> dict:
     def ours():
         return ours_entry.rotate(q, k, tables)
 
-    original = module.dispatch_attention_fn
-    module.dispatch_attention_fn = record
+    name, replacement = (("F", types.SimpleNamespace(**{**vars(torch.nn.functional),
+                                                         "scaled_dot_product_attention": record}))
+                         if family.sdpa else ("dispatch_attention_fn", record))
+    original = getattr(module, name)
+    setattr(module, name, replacement)
     try:
         with torch.no_grad():
             run(None)
@@ -156,7 +174,7 @@ def measure(shape_name: str, device: torch.device, iters: int) -> dict:
             ours_q, ours_k = ours()
             ours_ms = time_fn(ours, device, iters=iters).median_ms
     finally:
-        module.dispatch_attention_fn = original
+        setattr(module, name, original)
     return {
         "shape": shape_name, "tokens": tokens, "heads": q.shape[2], "head_dim": head_dim, "rule": family.rule,
         "stock_processor_ms": with_rope, "stock_processor_without_rotary_ms": without,
@@ -184,7 +202,8 @@ def markdown(result: dict) -> str:
              f"`{result['command']}`", "",
              "One self-attention call (bf16, batch 1; Wan2.1-14B's for `wan_*`, a Flux.1-dev single-stream block's "
              "for `flux_*`, a HunyuanVideo single-stream block's with 256 text tokens for `hunyuanvideo_*`, "
-             "LTX-Video's for `ltx_*`, Qwen-Image's joint attention with 256 text tokens for `qwenimage_*`): Diffusers' "
+             "LTX-Video's for `ltx_*`, Qwen-Image's joint attention with 256 text tokens for `qwenimage_*`, CogVideoX-5B's "
+             "with 226 for `cogvideox_*`): Diffusers' "
              "processor with and without its rotary embedding (attention call replaced by a "
              "copy of Q; the difference is the rotation), and our rotation (`serving.rotary`: Q and K in one launch) "
              "on the same Q and K. `bit-equal`: our Q and K equal the stock processor's.", "",

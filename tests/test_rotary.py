@@ -1,4 +1,4 @@
-"""Wan's, Flux's, HunyuanVideo's, LTX-Video's and Qwen-Image's rotary embeddings applied by us at the attention call
+"""Wan's, Flux's, HunyuanVideo's, LTX-Video's, Qwen-Image's and CogVideoX's rotary embeddings applied by us at the attention call
 (``serving.rotary``, ``kernels.rotary``): the same values as the families' own processors, on the CPU through the
 torch form and in Triton's interpreter through the kernel; the layers where it must not happen keep their own
 rotation."""
@@ -116,12 +116,16 @@ def cuda_complex(x, cos, sin):
     return torch.cat((torch.stack((re, im), -1).flatten(-2), x[:, rows:].float()), dim=1)
 
 for rule, dtype in ((r, d) for r in rotary.RULES for d in (torch.bfloat16, torch.float16, torch.float32)):
-    for batch, tokens, heads, k_heads, dim, freq_batch, rows in (
-            (1, 37, 3, 3, 16, 1, 37), (2, 20, 2, 1, 8, 2, 20), (2, 5, 1, 2, 4, 1, 5), (2, 37, 2, 2, 8, 1, 21)):
+    for batch, tokens, heads, k_heads, dim, freq_batch, rows, heads_first in (
+            (1, 37, 3, 3, 16, 1, 37, False), (2, 20, 2, 1, 8, 2, 20, False), (2, 5, 1, 2, 4, 1, 5, False),
+            (2, 37, 2, 2, 8, 1, 21, False), (2, 19, 3, 3, 8, 1, 19, True)):
         g = torch.Generator().manual_seed(tokens)
         wide = (torch.randn(batch, tokens, heads * dim + 5, generator=g) * 4).to(dtype)
         q = wide[..., : heads * dim].unflatten(-1, (heads, dim))  # tokens strided, as a projection's view
         k = (torch.randn(batch, tokens, k_heads, dim, generator=g) * 4).to(dtype)
+        if heads_first:  # [B, H, S, D] seen as [B, S, H, D], past 3 leading tokens (CogVideoX's video after its text)
+            q, k = ((torch.randn(batch, h, 3 + tokens, dim, generator=g) * 4).to(dtype)[:, :, 3:].transpose(1, 2)
+                    for h in (heads, k_heads))
         # Tables whose even and odd entries differ, so that reading the wrong one shows.
         cos, sin = (torch.randn(freq_batch, rows, 1, dim, generator=g) for _ in range(2))  # rows < tokens: a prefix
         got = rotary._launch(q, k, cos, sin, rule)
@@ -146,7 +150,7 @@ def test_kernel_under_interpreter_gives_the_torch_values():
     run = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, env=env, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
     cases = json.loads(run.stdout.strip().splitlines()[-1])
-    assert len(cases) == 36 and all(c["ok"] for c in cases), cases
+    assert len(cases) == 45 and all(c["ok"] for c in cases), cases
 
 
 # ---- at the attention call ---------------------------------------------------------------------------------
@@ -227,6 +231,33 @@ def test_qwenimage_tables_of_another_length_are_refused():
         entry.rotate(q, q, (table, table))
 
 
+def test_cogvideox_forward_is_stocks_bit_for_bit_with_our_rotation(monkeypatch):
+    seen = _count_rotations(monkeypatch)
+    model, ours, stock = _ours_and_stock("cogvideox")
+    assert torch.equal(ours, stock)
+    # Its one call (through F.scaled_dot_product_attention) turns the 48 video tokens after the 16 text tokens.
+    assert len(seen) == len(model.transformer_blocks) and all(shape[1] == 16 + 48 for shape in seen)
+
+
+def test_trailing_tables_longer_than_q_are_refused():
+    cos_sin = (torch.ones(9, 16), torch.zeros(9, 16))
+    q = torch.zeros(1, 8, 2, 16)
+    entry = serving_rotary.DEFERRED["diffusers.models.attention_processor.CogVideoXAttnProcessor2_0"]
+    with pytest.raises(ValueError, match="cover 9 video tokens, more than the joint Q's 8"):
+        entry.rotate(q, q, cos_sin)
+
+
+def test_cogvideox_cross_attention_keeps_its_own_rotation():
+    """Its processor turns a cross-attention's Q but not its K: such a module keeps the processor's rotation."""
+    entry = serving_rotary.DEFERRED["diffusers.models.attention_processor.CogVideoXAttnProcessor2_0"]
+    cross, plain = torch.nn.Module(), torch.nn.Module()
+    cross.is_cross_attention = True
+    cos_sin = (torch.ones(1), torch.zeros(1))
+    assert serving_rotary.take_rotary(entry, cross, (), {"image_rotary_emb": cos_sin}) == (
+        (), {"image_rotary_emb": cos_sin}, None)
+    assert serving_rotary.take_rotary(entry, plain, (), {"image_rotary_emb": cos_sin})[2] is not None
+
+
 def test_image_projections_keep_their_own_rotation():
     entry = serving_rotary.deferred_rotary(_wan_processor(), _parameters(_wan_processor()))
     assert entry is not None and entry.index == 3  # (hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
@@ -286,6 +317,26 @@ def test_kernel_on_gpu_is_the_familys_bit_for_bit(dtype, rule):
         for x, out in ((q, q_out), (k, k_out)):
             assert torch.equal(out[:, :774], STOCK[rule](x[:, :774], cos[:, :774], sin[:, :774]))
             assert torch.equal(out[:, 774:], x[:, 774:])
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_cogvideox_turn_on_gpu_is_its_processors_bit_for_bit():
+    """CogVideoX's layout on the kernel: ``[B, H, S, D]`` seen as ``[B, S, H, D]`` (tokens closer than heads), the
+    video's tokens after 226 of text, as its processor turns them in place with ``apply_rotary_emb``."""
+    from diffusers.models.embeddings import apply_rotary_emb
+
+    g = torch.Generator().manual_seed(0)
+    q, k = ((torch.randn(2, 48, 226 + 1350, 64, generator=g) * 4).bfloat16().cuda() for _ in range(2))
+    cos, sin = (f[0, :, 0].cuda() for f in frequencies(1, 1350, 64))
+    entry = serving_rotary.DEFERRED["diffusers.models.attention_processor.CogVideoXAttnProcessor2_0"]
+    assert rotary.fused_rotary_reasons(q.transpose(1, 2)[:, 226:], k.transpose(1, 2)[:, 226:], cos[None, :, None],
+                                       sin[None, :, None]) == []
+    q_out, k_out = entry.rotate(q.transpose(1, 2), k.transpose(1, 2), (cos, sin))
+    for x, out in ((q, q_out), (k, k_out)):
+        want = x.clone()
+        want[:, :, 226:] = apply_rotary_emb(x[:, :, 226:], (cos, sin))
+        assert torch.equal(out.transpose(1, 2), want)
 
 
 @pytest.mark.parametrize("name", sorted(serving_rotary.DEFERRED))

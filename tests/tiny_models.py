@@ -131,13 +131,17 @@ def _ltx(b):
 
 def _cogvideox(b):
     from diffusers import CogVideoXTransformer3DModel
+    from diffusers.models.embeddings import get_3d_rotary_pos_embed
 
-    m = CogVideoXTransformer3DModel(num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4,
+    # With rotary embeddings, as CogVideoX-5B and 1.5 (the pipeline computes them: 3 x 4 x 4 patches of the latent).
+    m = CogVideoXTransformer3DModel(num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4,
                                     time_embed_dim=4, text_embed_dim=16, num_layers=1, sample_width=8, sample_height=8,
                                     sample_frames=9, patch_size=2, temporal_compression_ratio=4,
-                                    max_text_seq_length=16)
+                                    max_text_seq_length=16, use_rotary_positional_embeddings=True)
+    rotary = get_3d_rotary_pos_embed(embed_dim=16, crops_coords=((0, 0), (4, 4)), grid_size=(4, 4), temporal_size=3,
+                                     device="cpu")
     return m, dict(hidden_states=_randn(b, 3, 4, 8, 8), encoder_hidden_states=_randn(b, 16, 16, seed=1),
-                   timestep=torch.full((b,), 400), return_dict=False)
+                   timestep=torch.full((b,), 400), image_rotary_emb=rotary, return_dict=False)
 
 
 # ---- pipelines (text encoders replaced by prompt embeddings) ----------------------------------

@@ -297,15 +297,22 @@ def _left_stock(state: Any, why: str) -> None:
                   state.role, state.label, why)
 
 
+def _turned(query, key):
+    """Q and K ``[B, S, H, D]`` turned by the rotation this thread's processor left to us (``serving.rotary``), once,
+    whichever way its attention call then goes; as they are where it left none."""
+    turn = getattr(_CALL, "rotary", None)
+    if turn is None:
+        return query, key
+    _CALL.rotary = None
+    return turn(query, key)
+
+
 def _routed_dispatch(original: Callable) -> Callable:
     names = _positional_names(original)
 
     def dispatch_attention_fn(query, key, value, *args, **kwargs):
         state = getattr(_CALL, "layer", None)
-        turn = getattr(_CALL, "rotary", None)
-        if turn is not None:  # the rotation the processor left to us, whichever way the call goes
-            _CALL.rotary = None
-            query, key = turn(query, key)
+        query, key = _turned(query, key)
         if state is not None:
             served, why = _servable_arguments(names, args, kwargs, query, key)
             if served is None:
@@ -336,6 +343,8 @@ _SDPA_NAMES = _sdpa_names()
 def _routed_sdpa(query, key, value, *args, **kwargs):
     """``F.scaled_dot_product_attention`` (``[B, H, S, D]``) that routes while one of our layers runs here."""
     state = getattr(_CALL, "layer", None)
+    if getattr(_CALL, "rotary", None) is not None:
+        query, key = (x.transpose(1, 2) for x in _turned(query.transpose(1, 2), key.transpose(1, 2)))
     if state is not None:
         served, why = _servable_arguments(_SDPA_NAMES, args, kwargs, query, key)
         if served is None:

@@ -4,9 +4,9 @@ A stock processor listed in :data:`DEFERRED` is called with its rotary argument 
 then gets Q and K turned by our one-launch kernel (:func:`diffusers_trtllm.kernels.rotary.rotate_interleaved`,
 bit for bit the processor's values) before anything sees them: our kernels, the stock fallback, the
 calibration pass. That holds only where the processor makes one attention call and rotates exactly its Q and K (or,
-HunyuanVideo's, their leading video tokens): Wan's attention without image projections (with them, the image
+HunyuanVideo's, their leading video tokens; CogVideoX's, their trailing ones): Wan's attention without image projections (with them, the image
 call's keys are not rotated, so the layer keeps its own rotation), Flux's, Flux.2's, HunyuanVideo's,
-LTX-Video's and Qwen-Image's attention. Where ``serves`` says no, or the call passes no rotary argument, nothing
+LTX-Video's, Qwen-Image's and CogVideoX's attention. Where ``serves`` says no, or the call passes no rotary argument, nothing
 changes.
 docs/design.md, "Rotary embeddings in one launch".
 """
@@ -81,6 +81,18 @@ def _qwen_rotate(query: torch.Tensor, key: torch.Tensor, image_rotary_emb: Any) 
     return rotate_interleaved(query, key, pairs, pairs, rule="complex")
 
 
+def _cogvideox_rotate(query: torch.Tensor, key: torch.Tensor, image_rotary_emb: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """CogVideoX's (``apply_rotary_emb`` on the video tokens, which follow the text's in its joint Q and K): ``[R, D]``
+    tables of the last ``R`` tokens, ``"element"`` rule; the text's tokens kept as they are."""
+    freqs_cos, freqs_sin = (f.to(query.device)[None, :, None, :] for f in image_rotary_emb)
+    text = query.shape[1] - freqs_cos.shape[1]
+    if text < 0:
+        raise ValueError(f"CogVideoX's rotary tables cover {freqs_cos.shape[1]} video tokens, more than the joint Q's "
+                         f"{query.shape[1]}: pass the tables its transformer made for these inputs.")
+    q, k = rotate_interleaved(query[:, text:], key[:, text:], freqs_cos, freqs_sin, rule="element")
+    return torch.cat((query[:, :text], q), dim=1), torch.cat((key[:, :text], k), dim=1)
+
+
 def _without_image_projections(attn: torch.nn.Module) -> bool:
     return getattr(attn, "add_k_proj", None) is None
 
@@ -89,15 +101,21 @@ def _always(attn: torch.nn.Module) -> bool:
     return True
 
 
+def _self_attention(attn: torch.nn.Module) -> bool:  # (CogVideoX's cross-attention would turn only Q)
+    return not getattr(attn, "is_cross_attention", False)
+
+
 _WAN = DeferredRotary("rotary_emb", _wan_rotate, _without_image_projections)
 _DIFFUSERS = DeferredRotary("image_rotary_emb", _diffusers_rotate, _always)
 _LTX = DeferredRotary("image_rotary_emb", _ltx_rotate, _always)
 _QWEN = DeferredRotary("image_rotary_emb", _qwen_rotate, _always)
+_COGVIDEOX = DeferredRotary("image_rotary_emb", _cogvideox_rotate, _self_attention)
 #: Stock processor classes (module and qualified name, matched exactly: a subclass may rotate otherwise): Wan's and
 #: the copies of it (ChronoEdit, Wan-Animate, SkyReels-V2); Flux's and Flux.2's, which rotate the joint Q and K of
 #: their one attention call; HunyuanVideo's (1.0, its FramePack form, 1.5), which rotate the video tokens of theirs;
 #: LTX-Video's self-attention (its cross-attention gets no rotary argument); Qwen-Image's joint attention (its text's
-#: and image's Q and K each rotated by their own tables, then joined).
+#: and image's Q and K each rotated by their own tables, then joined); CogVideoX's (and its fused-projection form),
+#: which rotate the video tokens after the text's in their one call, through ``F.scaled_dot_product_attention``.
 DEFERRED: dict[str, DeferredRotary] = {
     **{f"diffusers.models.transformers.{name}": _WAN for name in (
         "transformer_wan.WanAttnProcessor", "transformer_chronoedit.WanAttnProcessor",
@@ -108,6 +126,8 @@ DEFERRED: dict[str, DeferredRotary] = {
         "transformer_hunyuan_video15.HunyuanVideo15AttnProcessor2_0")},
     "diffusers.models.transformers.transformer_ltx.LTXVideoAttnProcessor": _LTX,
     "diffusers.models.transformers.transformer_qwenimage.QwenDoubleStreamAttnProcessor2_0": _QWEN,
+    **{f"diffusers.models.attention_processor.{name}": _COGVIDEOX for name in (
+        "CogVideoXAttnProcessor2_0", "FusedCogVideoXAttnProcessor2_0")},
 }
 
 
