@@ -199,13 +199,21 @@ def test_flux_forward_is_stocks_bit_for_bit_with_our_rotation(family, monkeypatc
     assert len(seen) == len(attention)  # every block's one attention call, double and single stream
 
 
-def test_hunyuanvideo_forward_is_stocks_bit_for_bit_with_our_rotation(monkeypatch):
+#: Families whose one attention call a block turns part of a joint Q and K: the tokens of each call.
+JOINT_TOKENS = {
+    "hunyuanvideo": 16 + 6,  # its 16 video tokens turned, the 6 text tokens after them kept (double and single blocks)
+    "qwenimage": 8 + 16,  # its 8 text tokens, then its 16 image tokens, each by their own tables
+    "cogvideox": 16 + 48,  # its 48 video tokens after 16 text tokens kept (through F.scaled_dot_product_attention)
+}
+
+
+@pytest.mark.parametrize("family", sorted(JOINT_TOKENS))
+def test_joint_forward_is_stocks_bit_for_bit_with_our_rotation(family, monkeypatch):
     seen = _count_rotations(monkeypatch)
-    model, ours, stock = _ours_and_stock("hunyuanvideo")
+    model, ours, stock = _ours_and_stock(family)
     assert torch.equal(ours, stock)
-    blocks = len(model.transformer_blocks) + len(model.single_transformer_blocks)
-    # Each double- and single-stream block's one call turns its 16 video tokens, its 6 text tokens following them.
-    assert len(seen) == blocks and all(shape[1] == 16 + 6 for shape in seen)
+    blocks = len(model.transformer_blocks) + len(getattr(model, "single_transformer_blocks", ()))
+    assert len(seen) == blocks and all(shape[1] == JOINT_TOKENS[family] for shape in seen)
 
 
 def test_ltx_forward_is_stocks_bit_for_bit_with_our_rotation(monkeypatch):
@@ -215,28 +223,12 @@ def test_ltx_forward_is_stocks_bit_for_bit_with_our_rotation(monkeypatch):
     assert len(seen) == len(model.transformer_blocks)  # self-attention; cross-attention gets no rotary argument
 
 
-def test_qwenimage_forward_is_stocks_bit_for_bit_with_our_rotation(monkeypatch):
-    seen = _count_rotations(monkeypatch)
-    model, ours, stock = _ours_and_stock("qwenimage")
-    assert torch.equal(ours, stock)
-    # Each block's one joint call turns its 8 text tokens, then its 16 image tokens, each by their own tables.
-    assert len(seen) == len(model.transformer_blocks) and all(shape[1] == 8 + 16 for shape in seen)
-
-
 def test_qwenimage_tables_of_another_length_are_refused():
     table = torch.polar(torch.ones(5, 8), torch.randn(5, 8))
     q = torch.zeros(1, 9, 2, 16)
     entry = serving_rotary.DEFERRED["diffusers.models.transformers.transformer_qwenimage.QwenDoubleStreamAttnProcessor2_0"]
     with pytest.raises(ValueError, match="cover 5 text and 5 image tokens, but the joint Q holds 9"):
         entry.rotate(q, q, (table, table))
-
-
-def test_cogvideox_forward_is_stocks_bit_for_bit_with_our_rotation(monkeypatch):
-    seen = _count_rotations(monkeypatch)
-    model, ours, stock = _ours_and_stock("cogvideox")
-    assert torch.equal(ours, stock)
-    # Its one call (through F.scaled_dot_product_attention) turns the 48 video tokens after the 16 text tokens.
-    assert len(seen) == len(model.transformer_blocks) and all(shape[1] == 16 + 48 for shape in seen)
 
 
 def test_trailing_tables_longer_than_q_are_refused():
