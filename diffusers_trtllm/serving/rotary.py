@@ -84,12 +84,12 @@ def _qwen_rotate(query: torch.Tensor, key: torch.Tensor, image_rotary_emb: Any) 
 def _cogvideox_rotate(query: torch.Tensor, key: torch.Tensor, image_rotary_emb: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """CogVideoX's (``apply_rotary_emb`` on the video tokens, which follow the text's in its joint Q and K): ``[R, D]``
     tables of the last ``R`` tokens, ``"element"`` rule; the text's tokens kept as they are."""
-    freqs_cos, freqs_sin = (f.to(query.device)[None, :, None, :] for f in image_rotary_emb)
-    text = query.shape[1] - freqs_cos.shape[1]
+    video = image_rotary_emb[0].shape[0]
+    text = query.shape[1] - video
     if text < 0:
-        raise ValueError(f"CogVideoX's rotary tables cover {freqs_cos.shape[1]} video tokens, more than the joint Q's "
+        raise ValueError(f"CogVideoX's rotary tables cover {video} video tokens, more than the joint Q's "
                          f"{query.shape[1]}: pass the tables its transformer made for these inputs.")
-    q, k = rotate_interleaved(query[:, text:], key[:, text:], freqs_cos, freqs_sin, rule="element")
+    q, k = _diffusers_rotate(query[:, text:], key[:, text:], image_rotary_emb)
     return torch.cat((query[:, :text], q), dim=1), torch.cat((key[:, :text], k), dim=1)
 
 
