@@ -47,6 +47,9 @@
 #ifndef SAGE_SM90_HALF_POLY  // the FMA-pipe exponentials two at a time in half precision (exp2_e4m3x2)
 #define SAGE_SM90_HALF_POLY 1
 #endif
+#ifndef SAGE_SM90_PEEL
+#define SAGE_SM90_PEEL 1
+#endif
 #ifndef SAGE_SM90_OVERLAP  // FA3's intra-warpgroup overlap (softmax of tile n beside P.V of tile n - 1)
 #define SAGE_SM90_OVERLAP 1
 #endif
@@ -105,6 +108,7 @@ struct Params {
 template <bool B>
 struct BoolConstant {
   static constexpr bool value = B;
+  __device__ constexpr operator bool() const { return B; }
 };
 
 // ---- PTX wrappers -------------------------------------------------------------------------------------
@@ -673,13 +677,14 @@ __device__ __forceinline__ void consume(Smem<D, STAGES>& sm, const Params& p, in
 
   // Softmax of tile n (S in acc) into pa (the ragged last tile masked): whether the tile is kept, and each
   // row's rescale of O.
-  auto softmax = [&](uint32_t n, float& alpha0, float& alpha1) {
+  // A tile before the last is never ragged (RAGGED false: no masked variant where it cannot run).
+  auto softmax = [&](uint32_t n, bool vote, auto ragged_tag, float& alpha0, float& alpha1) {
     const int keys_left = kv_len - static_cast<int>(n) * BLOCK_N;
     const uint32_t k_scale_addr = smem_addr(sm.k_scale[n % STAGES]);
-    return keys_left < BLOCK_N
-        ? tile_softmax<G, true, SKIP>(acc, k_scale_addr, t, keys_left, n > 0, vote_barrier, ok0, ok1, log2_lam, qs0,
+    return decltype(ragged_tag)::value && keys_left < BLOCK_N
+        ? tile_softmax<G, true, SKIP>(acc, k_scale_addr, t, keys_left, vote, vote_barrier, ok0, ok1, log2_lam, qs0,
                                       qs1, m_0, m_1, alpha0, alpha1, pa)
-        : tile_softmax<G, false, SKIP>(acc, k_scale_addr, t, keys_left, n > 0, vote_barrier, ok0, ok1, log2_lam, qs0,
+        : tile_softmax<G, false, SKIP>(acc, k_scale_addr, t, keys_left, vote, vote_barrier, ok0, ok1, log2_lam, qs0,
                                        qs1, m_0, m_1, alpha0, alpha1, pa);
   };
   auto rescale_o = [&](float alpha0, float alpha1) {
@@ -698,13 +703,13 @@ __device__ __forceinline__ void consume(Smem<D, STAGES>& sm, const Params& p, in
     const uint32_t zero = static_cast<uint32_t>(kv_len >> 31);
     bool sums_due = false;  // the P.V group in flight is a kept tile's: add its row sums to l
     // Once P.V of tile n - 1 is done (waited for), its stage is free; and O, its row sums and pv (retire_pv).
-    auto release_stage = [&](uint32_t n) {  // of tile n - 1
-      if (n > 0) {
+    auto release_stage = [&](uint32_t n, bool first) {  // of tile n - 1
+      if (!first) {
         __syncwarp();
         if (lane == 0) mbar_arrive(&sm.empty[(n - 1) % STAGES]);
       }
     };
-    auto retire_pv = [&](uint32_t n) {
+    auto retire_pv = [&](uint32_t n, bool first) {
       fence_operand(o);
       fence_operand(sums);
       fence_operand(pv);
@@ -712,19 +717,21 @@ __device__ __forceinline__ void consume(Smem<D, STAGES>& sm, const Params& p, in
         l_0 += sums[0];
         l_1 += sums[2];
       }
-      release_stage(n);
+      release_stage(n, first);
     };
     // Per tile n (FA3's intra-warpgroup overlap): softmax of tile n runs while the tensor cores finish P.V of
     // tile n - 1; then Q.K^T of tile n + 1 and P.V of tile n are issued, in that order and as two commit
     // groups, so that the next softmax waits for the former only. The last tile (no Q.K^T to issue) is the
-    // same step with MORE false.
-    auto step = [&](uint32_t n, auto more_tag) {  // unsigned: stage and phase by masks and shifts
+    // same step with MORE false. FIRST (tile 0: no vote, no P.V in flight) is a BoolConstant where known, so that
+    // the loop's steps carry no test of it; the last step's is a bool (tile 0 too when it is the only one).
+    auto step = [&](uint32_t n, auto more_tag, auto first_tag) {  // unsigned: stage and phase by masks and shifts
       constexpr bool MORE = decltype(more_tag)::value;
+      const bool first = first_tag;
       const uint32_t s = n % STAGES;
-      if (n > 0) wgmma_wait<1>(); else wgmma_wait<0>();  // Q.K^T of tile n is done
+      if (first) wgmma_wait<0>(); else wgmma_wait<1>();  // Q.K^T of tile n is done
       fence_operand(acc);
       float alpha0, alpha1;
-      const bool keep = softmax(n, alpha0, alpha1);
+      const bool keep = softmax(n, !first, BoolConstant<!MORE || !SAGE_SM90_PEEL>{}, alpha0, alpha1);
       auto issue_next_qk = [&] {
         wgmma_fence();
         issue_qk<D>(acc, desc_q, desc_k((n + 1) % STAGES));
@@ -740,7 +747,7 @@ __device__ __forceinline__ void consume(Smem<D, STAGES>& sm, const Params& p, in
         wait_k(n + 1);
         issue_next_qk();
         wgmma_wait<1>();  // P.V of tile n - 1 is done: its stage is free
-        release_stage(n);
+        release_stage(n, first);
         ++skipped;
         wait_v(n);
         wgmma_fence();
@@ -748,7 +755,7 @@ __device__ __forceinline__ void consume(Smem<D, STAGES>& sm, const Params& p, in
         return;
       }
       wgmma_wait<0>();
-      retire_pv(n);
+      retire_pv(n, first);
       if (keep) {
         l_0 *= alpha0;
         l_1 *= alpha1;
@@ -785,8 +792,13 @@ __device__ __forceinline__ void consume(Smem<D, STAGES>& sm, const Params& p, in
       if (keep) issue(BoolConstant<true>{}); else issue(BoolConstant<false>{});
       if (PINGPONG) named_arrive(their_turn, 256);
     };
-    for (uint32_t n = 0; n + 1 < static_cast<uint32_t>(n_tiles); ++n) step(n, BoolConstant<true>{});
-    step(n_tiles - 1, BoolConstant<false>{});
+#if SAGE_SM90_PEEL
+    if (n_tiles > 1) step(0, BoolConstant<true>{}, BoolConstant<true>{});
+    for (uint32_t n = 1; n + 1 < static_cast<uint32_t>(n_tiles); ++n) step(n, BoolConstant<true>{}, BoolConstant<false>{});
+#else
+    for (uint32_t n = 0; n + 1 < static_cast<uint32_t>(n_tiles); ++n) step(n, BoolConstant<true>{}, n == 0);
+#endif
+    step(n_tiles - 1, BoolConstant<false>{}, n_tiles == 1);
     wgmma_wait<0>();
     fence_operand(o);
     fence_operand(sums);
@@ -801,7 +813,7 @@ __device__ __forceinline__ void consume(Smem<D, STAGES>& sm, const Params& p, in
       const uint32_t s = n % STAGES;
       const bool more = n + 1 < static_cast<uint32_t>(n_tiles);
       float alpha0, alpha1;
-      const bool keep = softmax(n, alpha0, alpha1);
+      const bool keep = softmax(n, n > 0, BoolConstant<true>{}, alpha0, alpha1);
       if (keep) {
         rescale_o(alpha0, alpha1);
       } else {
