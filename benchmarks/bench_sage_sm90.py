@@ -60,7 +60,6 @@ BUILDS = {
     "softexp8": ("SAGE_SM90_SOFT_EXP=8",),
     "5stages": ("SAGE_SM90_STAGES=5",),
     "6stages": ("SAGE_SM90_STAGES=6",),
-    "unpeeled": ("SAGE_SM90_PEEL=0",),  # tile 0 inside the loop (the default until 2026-12-06)
 }
 
 

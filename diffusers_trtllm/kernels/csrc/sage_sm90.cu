@@ -47,9 +47,6 @@
 #ifndef SAGE_SM90_HALF_POLY  // the FMA-pipe exponentials two at a time in half precision (exp2_e4m3x2)
 #define SAGE_SM90_HALF_POLY 1
 #endif
-#ifndef SAGE_SM90_PEEL
-#define SAGE_SM90_PEEL 1
-#endif
 #ifndef SAGE_SM90_OVERLAP  // FA3's intra-warpgroup overlap (softmax of tile n beside P.V of tile n - 1)
 #define SAGE_SM90_OVERLAP 1
 #endif
@@ -722,8 +719,10 @@ __device__ __forceinline__ void consume(Smem<D, STAGES>& sm, const Params& p, in
     // Per tile n (FA3's intra-warpgroup overlap): softmax of tile n runs while the tensor cores finish P.V of
     // tile n - 1; then Q.K^T of tile n + 1 and P.V of tile n are issued, in that order and as two commit
     // groups, so that the next softmax waits for the former only. The last tile (no Q.K^T to issue) is the
-    // same step with MORE false. FIRST (tile 0: no vote, no P.V in flight) is a BoolConstant where known, so that
-    // the loop's steps carry no test of it; the last step's is a bool (tile 0 too when it is the only one).
+    // same step with MORE false. Tile 0 (no vote, no P.V in flight) is a step of its own, first_tag a BoolConstant
+    // there and in the loop, and a step with MORE is never ragged, so the loop carries neither the test for tile 0
+    // nor the masked softmax (1.3-1.5% faster, 2-5% with tiles skipped: docs/design.md, "Tile 0 out of the loop").
+    // The last step's first_tag is a bool: it is tile 0 too when it is the only one.
     auto step = [&](uint32_t n, auto more_tag, auto first_tag) {  // unsigned: stage and phase by masks and shifts
       constexpr bool MORE = decltype(more_tag)::value;
       const bool first = first_tag;
@@ -731,7 +730,7 @@ __device__ __forceinline__ void consume(Smem<D, STAGES>& sm, const Params& p, in
       if (first) wgmma_wait<0>(); else wgmma_wait<1>();  // Q.K^T of tile n is done
       fence_operand(acc);
       float alpha0, alpha1;
-      const bool keep = softmax(n, !first, BoolConstant<!MORE || !SAGE_SM90_PEEL>{}, alpha0, alpha1);
+      const bool keep = softmax(n, !first, BoolConstant<!MORE>{}, alpha0, alpha1);
       auto issue_next_qk = [&] {
         wgmma_fence();
         issue_qk<D>(acc, desc_q, desc_k((n + 1) % STAGES));
@@ -792,12 +791,8 @@ __device__ __forceinline__ void consume(Smem<D, STAGES>& sm, const Params& p, in
       if (keep) issue(BoolConstant<true>{}); else issue(BoolConstant<false>{});
       if (PINGPONG) named_arrive(their_turn, 256);
     };
-#if SAGE_SM90_PEEL
     if (n_tiles > 1) step(0, BoolConstant<true>{}, BoolConstant<true>{});
     for (uint32_t n = 1; n + 1 < static_cast<uint32_t>(n_tiles); ++n) step(n, BoolConstant<true>{}, BoolConstant<false>{});
-#else
-    for (uint32_t n = 0; n + 1 < static_cast<uint32_t>(n_tiles); ++n) step(n, BoolConstant<true>{}, n == 0);
-#endif
     step(n_tiles - 1, BoolConstant<false>{}, n_tiles == 1);
     wgmma_wait<0>();
     fence_operand(o);
