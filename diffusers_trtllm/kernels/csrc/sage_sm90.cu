@@ -673,8 +673,7 @@ __device__ __forceinline__ void consume(Smem<D, STAGES>& sm, const Params& p, in
   fence_operand(acc);
 
   // Softmax of tile n (S in acc) into pa (the ragged last tile masked): whether the tile is kept, and each
-  // row's rescale of O.
-  // A tile before the last is never ragged (RAGGED false: no masked variant where it cannot run).
+  // row's rescale of O. A tile before the last is never ragged: ragged_tag false builds no masked variant for it.
   auto softmax = [&](uint32_t n, bool vote, auto ragged_tag, float& alpha0, float& alpha1) {
     const int keys_left = kv_len - static_cast<int>(n) * BLOCK_N;
     const uint32_t k_scale_addr = smem_addr(sm.k_scale[n % STAGES]);
