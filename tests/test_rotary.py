@@ -81,6 +81,22 @@ def test_shorter_tables_turn_the_leading_tokens_as_hunyuanvideo_does(dtype):
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
+def test_window_from_start_turns_the_trailing_tokens_as_cogvideox_does():
+    """CogVideoX's processor rotates the video tokens after its text's (``apply_rotary_emb`` on ``x[:, text:]``):
+    tables of ``R`` tokens from ``start`` give the same; a window that does not fit in Q is refused by name."""
+    from diffusers.models.embeddings import apply_rotary_emb
+
+    g = torch.Generator().manual_seed(3)
+    q, k = ((torch.randn(2, 23, 3, 16, generator=g) * 4).bfloat16() for _ in range(2))
+    cos, sin = torch.randn(17, 16, generator=g), torch.randn(17, 16, generator=g)
+    want = [torch.cat([x[:, :6], apply_rotary_emb(x[:, 6:], (cos, sin), sequence_dim=1)], dim=1) for x in (q, k)]
+    got = rotary.rotate_interleaved(q, k, cos[None, :, None], sin[None, :, None], rule="element", start=6)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    for start in (7, -1):
+        with pytest.raises(ValueError, match=rf"start {start}: .* \(0 <= start <= S - R\)"):
+            rotary.rotate_interleaved(q, k, cos[None, :, None], sin[None, :, None], rule="element", start=start)
+
+
 def test_unknown_rule_is_named():
     x = torch.zeros(1, 2, 1, 4)
     with pytest.raises(ValueError, match="rule must be one of"):
@@ -107,18 +123,19 @@ cases = []
 # torch's complex multiply as it runs on CUDA (two fused multiply-adds: a * c - b * d as fma(a, c, -(b * d)),
 # a * d + b * c as fma(a, d, b * c)), emulated in float64: a float32 product is exact there, so each fma rounds once
 # but where float64's own rounding of the sum lands on a float32 tie, which these seeds do not meet.
-def cuda_complex(x, cos, sin):
-    rows = cos.shape[1]
-    a, b = x[:, :rows].double().unflatten(-1, (-1, 2)).unbind(-1)
+def cuda_complex(x, cos, sin, start):
+    end = start + cos.shape[1]
+    a, b = x[:, start:end].double().unflatten(-1, (-1, 2)).unbind(-1)
     c, s = cos[..., 0::2].double(), sin[..., 1::2].double()
     re = (a * c - (b * s).float().double()).float()
     im = (a * s + (b * c).float().double()).float()
-    return torch.cat((torch.stack((re, im), -1).flatten(-2), x[:, rows:].float()), dim=1)
+    return torch.cat((x[:, :start].float(), torch.stack((re, im), -1).flatten(-2), x[:, end:].float()), dim=1)
 
 for rule, dtype in ((r, d) for r in rotary.RULES for d in (torch.bfloat16, torch.float16, torch.float32)):
-    for batch, tokens, heads, k_heads, dim, freq_batch, rows, heads_first in (
-            (1, 37, 3, 3, 16, 1, 37, False), (2, 20, 2, 1, 8, 2, 20, False), (2, 5, 1, 2, 4, 1, 5, False),
-            (2, 37, 2, 2, 8, 1, 21, False), (2, 19, 3, 3, 8, 1, 19, True)):
+    for batch, tokens, heads, k_heads, dim, freq_batch, rows, start, heads_first in (
+            (1, 37, 3, 3, 16, 1, 37, 0, False), (2, 20, 2, 1, 8, 2, 20, 0, False), (2, 5, 1, 2, 4, 1, 5, 0, False),
+            (2, 37, 2, 2, 8, 1, 21, 0, False), (2, 37, 2, 2, 8, 1, 21, 16, True), (2, 37, 2, 1, 8, 2, 19, 9, False),
+            (2, 19, 3, 3, 8, 1, 19, 0, True)):
         g = torch.Generator().manual_seed(tokens)
         wide = (torch.randn(batch, tokens, heads * dim + 5, generator=g) * 4).to(dtype)
         q = wide[..., : heads * dim].unflatten(-1, (heads, dim))  # tokens strided, as a projection's view
@@ -127,18 +144,18 @@ for rule, dtype in ((r, d) for r in rotary.RULES for d in (torch.bfloat16, torch
             q, k = ((torch.randn(batch, h, 3 + tokens, dim, generator=g) * 4).to(dtype)[:, :, 3:].transpose(1, 2)
                     for h in (heads, k_heads))
         # Tables whose even and odd entries differ, so that reading the wrong one shows.
-        cos, sin = (torch.randn(freq_batch, rows, 1, dim, generator=g) for _ in range(2))  # rows < tokens: a prefix
-        got = rotary._launch(q, k, cos, sin, rule)
+        cos, sin = (torch.randn(freq_batch, rows, 1, dim, generator=g) for _ in range(2))  # rows < tokens: a window
+        got = rotary._launch(q, k, cos, sin, rule, start)
         ok = []
         for x, out in zip((q, k), got):
-            exact = (cuda_complex(x.float(), cos, sin) if rule == "complex"
-                     else rotary.rotate_interleaved_reference(x.float(), cos, sin, rule))
+            exact = (cuda_complex(x.float(), cos, sin, start) if rule == "complex"
+                     else rotary.rotate_interleaved_reference(x.float(), cos, sin, rule, start))
             # The interpreter casts float32 to bfloat16 by truncation (the GPU rounds to nearest even, as torch):
             # there the kernel's float32 values are checked through that cast.
             want = ((exact.view(torch.int32) & ~0xFFFF).view(torch.float32).to(dtype) if dtype == torch.bfloat16
                     else exact.to(dtype))
             ok.append(bool(torch.equal(out, want)) and out.is_contiguous())
-        cases.append({"case": f"{rule} {dtype} {tuple(q.shape)} k{tuple(k.shape)} freqs {tuple(cos.shape)}",
+        cases.append({"case": f"{rule} {dtype} {tuple(q.shape)} k{tuple(k.shape)} freqs {tuple(cos.shape)} from {start}",
                       "ok": all(ok)})
 print(json.dumps(cases))
 """
@@ -150,7 +167,7 @@ def test_kernel_under_interpreter_gives_the_torch_values():
     run = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, env=env, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
     cases = json.loads(run.stdout.strip().splitlines()[-1])
-    assert len(cases) == 45 and all(c["ok"] for c in cases), cases
+    assert len(cases) == 63 and all(c["ok"] for c in cases), cases
 
 
 # ---- at the attention call ---------------------------------------------------------------------------------
@@ -341,10 +358,10 @@ def test_every_listed_processor_exists_and_takes_the_argument(name):
     assert entry is not None and _parameters(processor)[entry.index] == entry.argument
 
 
-@pytest.mark.parametrize("rule, prefix", [("pair", False), ("element", False), ("element", True), ("complex", False)])
-def test_kernel_compiles_for_hopper_without_fused_multiply_adds(rule, prefix):
-    """Through Triton's whole GPU pipeline without a GPU, specialized as a Wan2.1-14B 480p launch (``prefix``: with
-    tables of fewer tokens, as HunyuanVideo's): no FMA in the PTX (each product rounded on its own, as torch's launches
+@pytest.mark.parametrize("rule, window", [("pair", False), ("element", False), ("element", True), ("complex", False)])
+def test_kernel_compiles_for_hopper_without_fused_multiply_adds(rule, window):
+    """Through Triton's whole GPU pipeline without a GPU, specialized as a Wan2.1-14B 480p launch (``window``: with
+    tables of fewer tokens, after 226 others, as CogVideoX's): no FMA in the PTX (each product rounded on its own, as torch's launches
     round them: the bit-for-bit claim) but the complex rule's two a pair (torch's complex multiply on CUDA), and Q/K
     moved in 16-byte vectors."""
     triton = pytest.importorskip("triton")
@@ -357,11 +374,11 @@ def test_kernel_compiles_for_hopper_without_fused_multiply_adds(rule, prefix):
     kernel = rotary._rotate_kernel
     bf16, f32 = torch.empty(16, dtype=torch.bfloat16), torch.empty(16, dtype=torch.float32)
     tokens, width = 32760, 40 * 128
-    rotated = tokens - 226 if prefix else tokens
-    args = (bf16, bf16, bf16, bf16, f32, f32, tokens, rotated, 40, 40, tokens * 3 * width, 3 * width, 128, tokens * width,
+    start, rotated = (226, tokens - 226) if window else (0, tokens)
+    args = (bf16, bf16, bf16, bf16, f32, f32, tokens, start, rotated, 40, 40, tokens * 3 * width, 3 * width, 128, tokens * width,
             width, 128, 0, 128, 0, 128)  # Q a view into fused QKV projections, K contiguous, frequencies [1, R, 1, 128]
     constexprs = dict(HALF=64, BLOCK_S=rotary.ROTARY_BLOCK_S, PAIR=rule != "element", COMPLEX=rule == "complex",
-                      PREFIX=prefix)
+                      WINDOW=window)
     signature = {name: mangle_type(arg) for name, arg in zip(kernel.arg_names, args)}
     signature.update({name: "constexpr" for name in constexprs})
     aligned = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(args)

@@ -24,8 +24,10 @@ sum's operands may be swapped, which IEEE addition does not see, and Flux's ``x 
 torch form itself, or inputs outside the kernel's layout) :func:`rotate_interleaved_reference` computes the same in
 torch (under ``"complex"``, torch's complex multiply on the tensors' own device).
 
-Tables of fewer tokens than Q and K turn that many leading tokens and leave the rest as they are: HunyuanVideo's
-processors rotate the video tokens of a joint sequence whose text tokens follow them.
+Tables of ``R`` tokens, fewer than Q and K hold, turn the window of ``R`` tokens from ``start`` (0 unless given) and
+leave the rest as they are, in the same launch: HunyuanVideo's processors rotate the video tokens of a joint sequence
+whose text tokens follow them (``start`` 0), CogVideoX's the video tokens after the text's (``start`` the text's
+length).
 """
 
 from __future__ import annotations
@@ -49,13 +51,14 @@ _FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def rotate_interleaved_reference(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor,
-                                 rule: str = "pair") -> torch.Tensor:
+                                 rule: str = "pair", start: int = 0) -> torch.Tensor:
     """``x`` ``[B, S, H, D]`` turned pair by pair under ``rule``, in torch (the tables broadcast against ``x``; tables
-    ``[.., R, 1, D]`` of ``R < S`` tokens turn the first ``R`` and keep the rest)."""
+    ``[.., R, 1, D]`` of ``R < S`` tokens turn tokens ``start`` to ``start + R`` and keep the rest)."""
     _check_rule(rule)
     if x.ndim == 4 and freqs_cos.ndim == 4 and (rotated := freqs_cos.shape[1]) < x.shape[1]:
-        head = rotate_interleaved_reference(x[:, :rotated], freqs_cos, freqs_sin, rule)
-        return torch.cat((head, x[:, rotated:]), dim=1)
+        end = start + rotated
+        window = rotate_interleaved_reference(x[:, start:end], freqs_cos, freqs_sin, rule)
+        return torch.cat((x[:, :start], window, x[:, end:]), dim=1)
     if rule == "complex":  # torch's complex multiply, as the family runs it on this device
         table = torch.complex(freqs_cos[..., 0::2], freqs_sin[..., 1::2])
         pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
@@ -75,7 +78,7 @@ def _check_rule(rule: str) -> None:
 
 
 def fused_rotary_reasons(query: torch.Tensor, key: torch.Tensor, freqs_cos: torch.Tensor,
-                         freqs_sin: torch.Tensor) -> list[str]:
+                         freqs_sin: torch.Tensor, start: int = 0) -> list[str]:
     """Why the one-launch kernel cannot rotate these tensors (empty: it can)."""
     reasons = []
     if triton is None:
@@ -89,14 +92,15 @@ def fused_rotary_reasons(query: torch.Tensor, key: torch.Tensor, freqs_cos: torc
     if freqs_cos.dtype != torch.float32 or freqs_sin.dtype != torch.float32:
         reasons.append(f"frequencies must be float32; got {freqs_cos.dtype}, {freqs_sin.dtype}")
     if query.ndim != 4 or key.ndim != 4 or freqs_cos.ndim != 4 or freqs_sin.shape != freqs_cos.shape:
-        reasons.append("Q and K must be [B, S, H, D] and the frequencies [1 or B, S or fewer, 1, D]")
+        reasons.append("Q and K must be [B, S, H, D] and the frequencies [1 or B, S - start or fewer, 1, D]")
         return reasons
     batch, tokens, _, dim = query.shape
     if key.shape[0] != batch or key.shape[1] != tokens or key.shape[3] != dim:
         reasons.append(f"K {tuple(key.shape)} must have Q's batch, tokens and head dim {tuple(query.shape)}")
-    if (freqs_cos.shape[0] not in (1, batch) or freqs_cos.shape[1] > tokens
+    if (freqs_cos.shape[0] not in (1, batch) or freqs_cos.shape[1] > tokens - start
             or tuple(freqs_cos.shape[2:]) != (1, dim)):
-        reasons.append(f"frequencies {tuple(freqs_cos.shape)} must be [1 or {batch}, at most {tokens}, 1, {dim}]")
+        reasons.append(f"frequencies {tuple(freqs_cos.shape)} must be [1 or {batch}, at most {tokens - start}, 1, {dim}]"
+                       + (f" (from token {start} of {tokens})" if start else ""))
     if dim < 2 or dim & (dim - 1):
         reasons.append(f"head dim {dim} must be a power of two")
     if any(t.stride(-1) != 1 for t in (query, key, freqs_cos, freqs_sin)):
@@ -105,20 +109,24 @@ def fused_rotary_reasons(query: torch.Tensor, key: torch.Tensor, freqs_cos: torc
 
 
 def rotate_interleaved(query: torch.Tensor, key: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor,
-                       rule: str = "pair") -> tuple[torch.Tensor, torch.Tensor]:
+                       rule: str = "pair", start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Q and K ``[B, S, H, D]`` (their own head counts) turned by ``[1 or B, R, 1, D]`` float32 tables under ``rule``
-    (``R <= S``: the first ``R`` tokens; the rest kept); new contiguous tensors, one launch where
+    (``R < S``: tokens ``start`` to ``start + R``; the rest kept); new contiguous tensors, one launch where
     ``fused_rotary_reasons`` finds nothing against it."""
     _check_rule(rule)
-    if fused_rotary_reasons(query, key, freqs_cos, freqs_sin):
-        return (rotate_interleaved_reference(query, freqs_cos, freqs_sin, rule),
-                rotate_interleaved_reference(key, freqs_cos, freqs_sin, rule))
+    if start and not (query.ndim == freqs_cos.ndim == 4 and 0 < start <= query.shape[1] - freqs_cos.shape[1]):
+        raise ValueError(f"start {start}: a window of [.., R, 1, D] tables from token start must lie inside Q's "
+                         f"[B, S, H, D] tokens (0 <= start <= S - R); got Q {tuple(query.shape)}, tables "
+                         f"{tuple(freqs_cos.shape)}.")
+    if fused_rotary_reasons(query, key, freqs_cos, freqs_sin, start):
+        return (rotate_interleaved_reference(query, freqs_cos, freqs_sin, rule, start),
+                rotate_interleaved_reference(key, freqs_cos, freqs_sin, rule, start))
     with torch.cuda.device(query.device):
-        return _launch(query, key, freqs_cos, freqs_sin, rule)
+        return _launch(query, key, freqs_cos, freqs_sin, rule, start)
 
 
 def _launch(query: torch.Tensor, key: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor,
-            rule: str) -> tuple[torch.Tensor, torch.Tensor]:
+            rule: str, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's launch, inputs as ``fused_rotary_reasons`` accepts them (the interpreter's tests call it)."""
     batch, tokens, _, dim = query.shape
     q_out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
@@ -131,11 +139,11 @@ def _launch(query: torch.Tensor, key: torch.Tensor, freqs_cos: torch.Tensor, fre
 
     rotated = freqs_cos.shape[1]
     _rotate_kernel[(triton.cdiv(tokens, ROTARY_BLOCK_S), batch)](
-        query, key, q_out, k_out, freqs_cos, freqs_sin, tokens, rotated, query.shape[2], key.shape[2],
+        query, key, q_out, k_out, freqs_cos, freqs_sin, tokens, start, rotated, query.shape[2], key.shape[2],
         query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
         batch_stride(freqs_cos), freqs_cos.stride(1), batch_stride(freqs_sin), freqs_sin.stride(1),
         HALF=dim // 2, BLOCK_S=ROTARY_BLOCK_S, PAIR=rule != "element", COMPLEX=rule == "complex",
-        PREFIX=rotated < tokens, num_warps=4,
+        WINDOW=rotated < tokens, num_warps=4,
         enable_fp_fusion=False,
     )
     return q_out, k_out
@@ -145,9 +153,9 @@ if triton is not None:
 
     @triton.jit
     def _rotate_heads(x, out, batch, tok, keep, turn, tokens, heads, s_b, s_s, s_h, cos_e, cos_o, sin_e, sin_o,
-                      HALF: tl.constexpr, BLOCK_S: tl.constexpr, COMPLEX: tl.constexpr, PREFIX: tl.constexpr):
+                      HALF: tl.constexpr, BLOCK_S: tl.constexpr, COMPLEX: tl.constexpr, WINDOW: tl.constexpr):
         """Every head of one tensor for this program's tokens; ``out`` is contiguous ``[B, S, heads, 2 * HALF]``
-        (COMPLEX: torch's complex multiply on CUDA, with its two fused multiply-adds; PREFIX: tokens past ``turn``
+        (COMPLEX: torch's complex multiply on CUDA, with its two fused multiply-adds; WINDOW: tokens outside ``turn``
         copied as they are)."""
         col = tl.arange(0, 2 * HALF)
         h = 0
@@ -159,29 +167,31 @@ if triton is not None:
                 turned = tl.join(tl.fma(first, cos_e, -(second * sin_e)), tl.fma(first, sin_o, second * cos_o))
             else:
                 turned = tl.join(first * cos_e - second * sin_e, first * sin_o + second * cos_o)
-            if PREFIX:
+            if WINDOW:
                 turned = tl.where(tl.reshape(turn, (BLOCK_S, 1, 1)), turned, both)
             dst = out + ((batch * tokens + tok[:, None]) * heads + h) * (2 * HALF) + col[None, :]
             tl.store(dst, tl.reshape(turned, (BLOCK_S, 2 * HALF)).to(out.dtype.element_ty), mask=keep)
             h += 1
 
     @triton.jit
-    def _rotate_kernel(q, k, q_out, k_out, freqs_cos, freqs_sin, tokens, rotated, q_heads, k_heads,
+    def _rotate_kernel(q, k, q_out, k_out, freqs_cos, freqs_sin, tokens, start, rotated, q_heads, k_heads,
                        q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, fc_sb, fc_ss, fs_sb, fs_ss,
                        HALF: tl.constexpr, BLOCK_S: tl.constexpr, PAIR: tl.constexpr, COMPLEX: tl.constexpr,
-                       PREFIX: tl.constexpr):
+                       WINDOW: tl.constexpr):
         """Program (token block, batch row): the angles of its tokens read once, then every head of Q and K. The
-        tables hold ``rotated`` tokens (all ``tokens`` unless PREFIX)."""
+        tables hold ``rotated`` tokens from token ``start`` (all ``tokens`` from 0 unless WINDOW)."""
         batch = tl.program_id(1)
         tok = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
         pair = tl.arange(0, HALF)
         keep = tok[:, None] < tokens
-        if PREFIX:
-            turn = tok[:, None] < rotated
+        if WINDOW:
+            row = tok - start
+            turn = (row[:, None] >= 0) & (row[:, None] < rotated)
         else:
+            row = tok
             turn = keep
-        cos = freqs_cos + batch * fc_sb + tok[:, None] * fc_ss + 2 * pair[None, :]
-        sin = freqs_sin + batch * fs_sb + tok[:, None] * fs_ss + 2 * pair[None, :]
+        cos = freqs_cos + batch * fc_sb + row[:, None] * fc_ss + 2 * pair[None, :]
+        sin = freqs_sin + batch * fs_sb + row[:, None] * fs_ss + 2 * pair[None, :]
         cos_e = tl.load(cos, mask=turn, other=0.0)
         sin_o = tl.load(sin + 1, mask=turn, other=0.0)
         if PAIR:  # Wan's and Qwen-Image's: one cosine (even entry) and one sine (odd entry) per pair
@@ -191,6 +201,6 @@ if triton is not None:
             cos_o = tl.load(cos + 1, mask=turn, other=0.0)
             sin_e = tl.load(sin, mask=turn, other=0.0)
         _rotate_heads(q, q_out, batch, tok, keep, turn, tokens, q_heads, q_sb, q_ss, q_sh, cos_e, cos_o, sin_e, sin_o,
-                      HALF, BLOCK_S, COMPLEX, PREFIX)
+                      HALF, BLOCK_S, COMPLEX, WINDOW)
         _rotate_heads(k, k_out, batch, tok, keep, turn, tokens, k_heads, k_sb, k_ss, k_sh, cos_e, cos_o, sin_e, sin_o,
-                      HALF, BLOCK_S, COMPLEX, PREFIX)
+                      HALF, BLOCK_S, COMPLEX, WINDOW)

@@ -47,13 +47,14 @@ def _wan_rotate(query: torch.Tensor, key: torch.Tensor, rotary_emb: Any) -> tupl
     return rotate_interleaved(query, key, freqs_cos, freqs_sin, rule="pair")
 
 
-def _diffusers_rotate(query: torch.Tensor, key: torch.Tensor, image_rotary_emb: Any) -> tuple[torch.Tensor, torch.Tensor]:
+def _diffusers_rotate(query: torch.Tensor, key: torch.Tensor, image_rotary_emb: Any,
+                      start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Diffusers' ``apply_rotary_emb(x, image_rotary_emb, sequence_dim=1)``, as Flux's and HunyuanVideo's processors
     call it: ``[R, D]`` tables put on Q's device and indexed ``[None, :, None, :]`` as Diffusers does, each output its
     own entries. HunyuanVideo's tables cover the video tokens, which come first in its joint Q and K (the text's
-    follow, unturned): the first ``R`` tokens are turned."""
+    follow, unturned): the ``R`` tokens from ``start`` (0) are turned."""
     freqs_cos, freqs_sin = (f.to(query.device)[None, :, None, :] for f in image_rotary_emb)
-    return rotate_interleaved(query, key, freqs_cos, freqs_sin, rule="element")
+    return rotate_interleaved(query, key, freqs_cos, freqs_sin, rule="element", start=start)
 
 
 def _ltx_rotate(query: torch.Tensor, key: torch.Tensor, image_rotary_emb: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,14 +84,14 @@ def _qwen_rotate(query: torch.Tensor, key: torch.Tensor, image_rotary_emb: Any) 
 
 def _cogvideox_rotate(query: torch.Tensor, key: torch.Tensor, image_rotary_emb: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """CogVideoX's (``apply_rotary_emb`` on the video tokens, which follow the text's in its joint Q and K): ``[R, D]``
-    tables of the last ``R`` tokens, ``"element"`` rule; the text's tokens kept as they are."""
+    tables of the last ``R`` tokens, ``"element"`` rule, turned in the same launch that copies the text's tokens as
+    they are."""
     video = image_rotary_emb[0].shape[0]
     text = query.shape[1] - video
     if text < 0:
         raise ValueError(f"CogVideoX's rotary tables cover {video} video tokens, more than the joint Q's "
                          f"{query.shape[1]}: pass the tables its transformer made for these inputs.")
-    q, k = _diffusers_rotate(query[:, text:], key[:, text:], image_rotary_emb)
-    return torch.cat((query[:, :text], q), dim=1), torch.cat((key[:, :text], k), dim=1)
+    return _diffusers_rotate(query, key, image_rotary_emb, start=text)
 
 
 def _without_image_projections(attn: torch.nn.Module) -> bool:
