@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import tiny_models
 from conftest import requires_cuda
@@ -81,20 +83,24 @@ def test_shorter_tables_turn_the_leading_tokens_as_hunyuanvideo_does(dtype):
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
-def test_window_from_start_turns_the_trailing_tokens_as_cogvideox_does():
-    """CogVideoX's processor rotates the video tokens after its text's (``apply_rotary_emb`` on ``x[:, text:]``):
-    tables of ``R`` tokens from ``start`` give the same; a window that does not fit in Q is refused by name."""
-    from diffusers.models.embeddings import apply_rotary_emb
-
-    g = torch.Generator().manual_seed(3)
-    q, k = ((torch.randn(2, 23, 3, 16, generator=g) * 4).bfloat16() for _ in range(2))
-    cos, sin = torch.randn(17, 16, generator=g), torch.randn(17, 16, generator=g)
-    want = [torch.cat([x[:, :6], apply_rotary_emb(x[:, 6:], (cos, sin), sequence_dim=1)], dim=1) for x in (q, k)]
-    got = rotary.rotate_interleaved(q, k, cos[None, :, None], sin[None, :, None], rule="element", start=6)
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
-    for start in (7, -1):
+@settings(max_examples=40, deadline=None)
+@given(tokens=st.integers(1, 40), rotated=st.integers(1, 40), start=st.integers(-3, 40), rule=st.sampled_from(rotary.RULES))
+def test_window_from_start_turns_those_tokens_and_keeps_the_rest(tokens, rotated, start, rule):
+    """Tables of ``R`` tokens from ``start`` turn exactly that window, as the family turns it alone (CogVideoX's
+    processor: ``apply_rotary_emb`` on ``x[:, text:]``), and keep every other token; a window that does not fit in Q
+    is refused by name."""
+    g = torch.Generator().manual_seed(tokens * 41 + rotated)
+    q, k = ((torch.randn(2, tokens, 3, 16, generator=g) * 4).bfloat16() for _ in range(2))
+    cos, sin = (torch.randn(1, rotated, 1, 16, generator=g) for _ in range(2))
+    if start < 0 or start + rotated > tokens:
         with pytest.raises(ValueError, match=rf"start {start}: .* \(0 <= start <= S - R\)"):
-            rotary.rotate_interleaved(q, k, cos[None, :, None], sin[None, :, None], rule="element", start=start)
+            rotary.rotate_interleaved(q, k, cos, sin, rule=rule, start=start)
+        return
+    got = rotary.rotate_interleaved(q, k, cos, sin, rule=rule, start=start)
+    end = start + rotated
+    for x, out in zip((q, k), got):
+        assert torch.equal(out[:, start:end], STOCK[rule](x[:, start:end], cos, sin))
+        assert torch.equal(out[:, :start], x[:, :start]) and torch.equal(out[:, end:], x[:, end:])
 
 
 def test_unknown_rule_is_named():

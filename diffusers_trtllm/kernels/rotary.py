@@ -77,6 +77,18 @@ def _check_rule(rule: str) -> None:
         raise ValueError(f"rule must be one of {RULES}; got {rule!r}.")
 
 
+def _check_window(query: torch.Tensor, freqs_cos: torch.Tensor, start: int) -> None:
+    """Tables of ``R`` tokens from token ``start`` must lie inside Q's ``S``."""
+    if query.ndim == freqs_cos.ndim == 4:
+        fits = 0 <= start <= query.shape[1] - freqs_cos.shape[1]
+    else:  # tables broadcast against Q: no window
+        fits = start == 0
+    if not fits:
+        raise ValueError(f"start {start}: [.., R, 1, D] tables turn tokens start to start + R of Q's [B, S, H, D], "
+                         f"so they must fit (0 <= start <= S - R); got Q {tuple(query.shape)}, tables "
+                         f"{tuple(freqs_cos.shape)}.")
+
+
 def fused_rotary_reasons(query: torch.Tensor, key: torch.Tensor, freqs_cos: torch.Tensor,
                          freqs_sin: torch.Tensor, start: int = 0) -> list[str]:
     """Why the one-launch kernel cannot rotate these tensors (empty: it can)."""
@@ -114,10 +126,7 @@ def rotate_interleaved(query: torch.Tensor, key: torch.Tensor, freqs_cos: torch.
     (``R < S``: tokens ``start`` to ``start + R``; the rest kept); new contiguous tensors, one launch where
     ``fused_rotary_reasons`` finds nothing against it."""
     _check_rule(rule)
-    if start and not (query.ndim == freqs_cos.ndim == 4 and 0 < start <= query.shape[1] - freqs_cos.shape[1]):
-        raise ValueError(f"start {start}: a window of [.., R, 1, D] tables from token start must lie inside Q's "
-                         f"[B, S, H, D] tokens (0 <= start <= S - R); got Q {tuple(query.shape)}, tables "
-                         f"{tuple(freqs_cos.shape)}.")
+    _check_window(query, freqs_cos, start)
     if fused_rotary_reasons(query, key, freqs_cos, freqs_sin, start):
         return (rotate_interleaved_reference(query, freqs_cos, freqs_sin, rule, start),
                 rotate_interleaved_reference(key, freqs_cos, freqs_sin, rule, start))
