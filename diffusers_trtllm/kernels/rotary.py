@@ -90,7 +90,7 @@ def _check_window(query: torch.Tensor, freqs_cos: torch.Tensor, start: int) -> N
 
 
 def fused_rotary_reasons(query: torch.Tensor, key: torch.Tensor, freqs_cos: torch.Tensor,
-                         freqs_sin: torch.Tensor, start: int = 0) -> list[str]:
+                         freqs_sin: torch.Tensor) -> list[str]:
     """Why the one-launch kernel cannot rotate these tensors (empty: it can)."""
     reasons = []
     if triton is None:
@@ -104,15 +104,14 @@ def fused_rotary_reasons(query: torch.Tensor, key: torch.Tensor, freqs_cos: torc
     if freqs_cos.dtype != torch.float32 or freqs_sin.dtype != torch.float32:
         reasons.append(f"frequencies must be float32; got {freqs_cos.dtype}, {freqs_sin.dtype}")
     if query.ndim != 4 or key.ndim != 4 or freqs_cos.ndim != 4 or freqs_sin.shape != freqs_cos.shape:
-        reasons.append("Q and K must be [B, S, H, D] and the frequencies [1 or B, S - start or fewer, 1, D]")
+        reasons.append("Q and K must be [B, S, H, D] and the frequencies [1 or B, S or fewer, 1, D]")
         return reasons
     batch, tokens, _, dim = query.shape
     if key.shape[0] != batch or key.shape[1] != tokens or key.shape[3] != dim:
         reasons.append(f"K {tuple(key.shape)} must have Q's batch, tokens and head dim {tuple(query.shape)}")
-    if (freqs_cos.shape[0] not in (1, batch) or freqs_cos.shape[1] > tokens - start
+    if (freqs_cos.shape[0] not in (1, batch) or freqs_cos.shape[1] > tokens
             or tuple(freqs_cos.shape[2:]) != (1, dim)):
-        reasons.append(f"frequencies {tuple(freqs_cos.shape)} must be [1 or {batch}, at most {tokens - start}, 1, {dim}]"
-                       + (f" (from token {start} of {tokens})" if start else ""))
+        reasons.append(f"frequencies {tuple(freqs_cos.shape)} must be [1 or {batch}, at most {tokens}, 1, {dim}]")
     if dim < 2 or dim & (dim - 1):
         reasons.append(f"head dim {dim} must be a power of two")
     if any(t.stride(-1) != 1 for t in (query, key, freqs_cos, freqs_sin)):
@@ -127,7 +126,7 @@ def rotate_interleaved(query: torch.Tensor, key: torch.Tensor, freqs_cos: torch.
     ``fused_rotary_reasons`` finds nothing against it."""
     _check_rule(rule)
     _check_window(query, freqs_cos, start)
-    if fused_rotary_reasons(query, key, freqs_cos, freqs_sin, start):
+    if fused_rotary_reasons(query, key, freqs_cos, freqs_sin):
         return (rotate_interleaved_reference(query, freqs_cos, freqs_sin, rule, start),
                 rotate_interleaved_reference(key, freqs_cos, freqs_sin, rule, start))
     with torch.cuda.device(query.device):
