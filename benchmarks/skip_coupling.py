@@ -5,7 +5,9 @@ From the reference's tile rule (``tile_criticals``, on a few heads of the bench'
 fraction of 64 x 128 tiles skipped: the fraction both warpgroups of a CTA skip, and a CTA's modelled time against
 its time with nothing skipped, a kept tile costing 1 and a skipped one ``cost`` (0.53 measured on the H200 with
 every tile skipped, docs/performance.md), when a warpgroup may lead the other by 1 tile (the ping-pong), 3 (the
-stages), or without bound, beside the ideal (every tile at its own cost). CPU only; wan_14b_480p takes ~40 s.
+stages), or without bound, beside the ideal (every tile at its own cost). ``--row-group G`` deals a 128-row
+block's rows to the two warpgroups in turns of G (64: the kernel's halves), to see whether another split of the rows
+evens their work. CPU only; wan_14b_480p takes ~40 s.
 
     python3 benchmarks/skip_coupling.py --shape wan_14b_480p --reach-spread 1
 """
@@ -46,6 +48,16 @@ def cta_time(skip_a: np.ndarray, skip_b: np.ndarray, cost: float, lead_a: int, l
     return float(np.maximum(done_a[..., -1], done_b[..., -1]).mean() / cost_a.shape[-1])
 
 
+def dealt_rows(tokens: int, group: int) -> torch.Tensor:
+    """Query rows in the order that gives each warpgroup (64 rows in a row, 128 a CTA) the rows dealt to it in turns
+    of ``group`` within each 128-row block; rows past the last whole block stay where they are."""
+    turns = torch.arange(128).view(-1, group)
+    block = torch.cat([turns[0::2].reshape(-1), turns[1::2].reshape(-1)])
+    whole = tokens // 128
+    dealt = (torch.arange(whole)[:, None] * 128 + block).reshape(-1)
+    return torch.cat([dealt, torch.arange(whole * 128, tokens)])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="wan_14b_480p")
@@ -53,13 +65,17 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--cost", type=float, default=0.53, help="a skipped tile's time over a kept one's")
     p.add_argument("--targets", default="0.2,0.3,0.4,0.5")
+    p.add_argument("--row-group", type=int, default=64, choices=(8, 16, 32, 64),
+                   help="rows dealt to each warpgroup in turns (64: contiguous halves, as the kernel)")
     args = p.parse_args()
     shape = parse_shapes(args.shape)[0]
     q, k, _ = (x[0] for x in structured_qkv(shape, 0.5, reach_spread=args.reach_spread))
     heads = heads_subset(shape.heads, args.heads)
-    crit = tile_criticals(q[:, heads], k[:, heads], shape.head_dim**-0.5, 64, 128)
+    rows = dealt_rows(q.shape[0], args.row_group)
+    crit = tile_criticals(q[rows][:, heads], k[:, heads], shape.head_dim**-0.5, 64, 128)
     pairs = crit.shape[1] // 2
-    print(f"{shape.name}, reach spread {args.reach_spread}, {len(heads)} heads, a skipped tile "
+    print(f"{shape.name}, reach spread {args.reach_spread}, {len(heads)} heads, rows dealt in turns of "
+          f"{args.row_group}, a skipped tile "
           f"costing {args.cost} of a kept one; CTA time per tile over nothing skipped:")
     print("| skipped (64-row tiles) | both warpgroups skip | " + " | ".join(LEADS) + " | ideal |")
     print("|---:|---:|" + "---:|" * (len(LEADS) + 1))
