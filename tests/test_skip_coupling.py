@@ -38,3 +38,17 @@ def test_a_longer_lead_is_never_slower_and_an_unbounded_one_is_the_slower_consum
     assert ping_pong + 1e-12 >= stages >= free - 1e-12
     own = [1 + np.where(x, cost, 1.0).sum(-1) for x in (a, b)]  # each consumer's time alone, per CTA
     assert np.isclose(free, np.maximum(*own).mean() / 13)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 700), st.sampled_from([8, 16, 32, 64]))
+def test_dealt_rows_are_a_permutation_that_gives_each_half_its_turns(tokens, group):
+    rows = skip_coupling.dealt_rows(tokens, group)
+    assert sorted(rows.tolist()) == list(range(tokens))
+    whole = tokens // 128 * 128
+    assert rows[whole:].tolist() == list(range(whole, tokens))  # the last partial block stays in place
+    for start in range(0, whole, 128):
+        first_half = rows[start : start + 64] - start  # the first warpgroup's rows of this block
+        assert all((r // group) % 2 == 0 for r in first_half.tolist())
+    if group == 64:
+        assert rows.tolist() == list(range(tokens))  # the kernel's contiguous halves
