@@ -74,6 +74,7 @@ constexpr int THREADS = 128 * (CONSUMERS + 1);
 constexpr float LOG2_P_SCALE = 8.807354922057604f;  // log2(448): P is stored as 448 * p
 constexpr float LN2 = 0.6931471805599453f;
 constexpr float NEG_INF = __builtin_bit_cast(float, 0xff800000u);  // -inf, with no <cmath> to name it
+constexpr float POS_INF = __builtin_bit_cast(float, 0x7f800000u);
 
 // The driver's CUtensorMap, opaque: 128 bytes, 64-byte aligned (kernel parameters by value).
 struct alignas(64) TensorMap { uint64_t opaque[16]; };
@@ -490,7 +491,7 @@ __device__ __forceinline__ int key_of(int e, int t) { return 8 * (e / 2) + 2 * t
 // Returns whether the tile is kept (the skip vote, when `vote`); alpha is each row's rescale of O.
 template <int G, bool MASKED, bool SKIP>
 __device__ __forceinline__ bool tile_softmax(const int32_t (&acc)[64], uint32_t k_scale_addr, int t, int keys_left,
-                                             bool vote, int vote_barrier, bool ok0, bool ok1, float log2_lam,
+                                             bool vote, int vote_barrier, float reach0, float reach1,
                                              float qs0, float qs1, float& m_0, float& m_1, float& alpha0,
                                              float& alpha1, uint32_t (&pa)[4][4]) {
   constexpr int NG = 32 / G;  // groups per row
@@ -526,12 +527,13 @@ __device__ __forceinline__ bool tile_softmax(const int32_t (&acc)[64], uint32_t 
     }
   }
   float mx0 = tree_max(gm[0]), mx1 = tree_max(gm[1]);
-  // Skip when exp(local max - running max) < lambda on every row of the tile. A row is kept when any of its
-  // scores reaches the bound, so each thread votes on its own part of its rows: the same OR, with the quad's
-  // shuffles below off the vote's path (a skipped tile 2-4% faster: docs/design.md, "What a skipped tile
-  // costs, continued").
-  const float e0 = (mx0 - m_0) * qs0, e1 = (mx1 - m_1) * qs1;
-  const bool want = (ok0 && !(e0 < log2_lam)) || (ok1 && !(e1 < log2_lam));
+  // Skip when exp(local max - running max) < lambda on every row of the tile, that is when each row's max is
+  // under its running max plus its reach (log2 lambda over the row's scale, in the scores' units; +inf for a row
+  // past the sequence): one add and one comparison a row (docs/design.md, "The vote's bound in the scores'
+  // units"). A row is kept when any of its scores reaches the bound, so each thread votes on its own part of its
+  // rows: the same OR, with the quad's shuffles below off the vote's path (a skipped tile 2-4% faster:
+  // docs/design.md, "What a skipped tile costs, continued"). NaN keeps the tile.
+  const bool want = !(mx0 < m_0 + reach0) || !(mx1 < m_1 + reach1);
   // A row's 128 keys are spread over the 4 lanes t of its quad.
   mx0 = max_nan(mx0, __shfl_xor_sync(0xffffffff, mx0, 1));
   mx0 = max_nan(mx0, __shfl_xor_sync(0xffffffff, mx0, 2));
@@ -621,7 +623,9 @@ __device__ __forceinline__ void consume(Smem<D, STAGES>& sm, const Params& p, in
   const float* q_scale = p.q_scale + head * p.n_q_blocks + (q_start >> p.q_shift) + seq;
   const float qs0 = q_scale[min(row0, q_len - 1) >> p.q_shift] * p.qk_scale_log2;
   const float qs1 = q_scale[min(row1, q_len - 1) >> p.q_shift] * p.qk_scale_log2;
-  const float log2_lam = log2f(p.skip_factor / static_cast<float>(kv_len));  // -inf when skip_factor == 0
+  // The vote's reach of each row (tile_softmax): log2 lambda (-inf when skip_factor == 0) over the row's scale.
+  const float log2_lam = log2f(p.skip_factor / static_cast<float>(kv_len));
+  const float reach0 = ok0 ? log2_lam / qs0 : POS_INF, reach1 = ok1 ? log2_lam / qs1 : POS_INF;
 
   // The ones and zeros below every stage's V^T tile (TMA writes only its D rows), visible to the tensor
   // cores (async proxy) before any P.V product.
@@ -678,9 +682,9 @@ __device__ __forceinline__ void consume(Smem<D, STAGES>& sm, const Params& p, in
     const int keys_left = kv_len - static_cast<int>(n) * BLOCK_N;
     const uint32_t k_scale_addr = smem_addr(sm.k_scale[n % STAGES]);
     return decltype(ragged_tag)::value && keys_left < BLOCK_N
-        ? tile_softmax<G, true, SKIP>(acc, k_scale_addr, t, keys_left, vote, vote_barrier, ok0, ok1, log2_lam, qs0,
+        ? tile_softmax<G, true, SKIP>(acc, k_scale_addr, t, keys_left, vote, vote_barrier, reach0, reach1, qs0,
                                       qs1, m_0, m_1, alpha0, alpha1, pa)
-        : tile_softmax<G, false, SKIP>(acc, k_scale_addr, t, keys_left, vote, vote_barrier, ok0, ok1, log2_lam, qs0,
+        : tile_softmax<G, false, SKIP>(acc, k_scale_addr, t, keys_left, vote, vote_barrier, reach0, reach1, qs0,
                                        qs1, m_0, m_1, alpha0, alpha1, pa);
   };
   auto rescale_o = [&](float alpha0, float alpha1) {
