@@ -88,15 +88,18 @@ def test_shorter_tables_turn_the_leading_tokens_as_hunyuanvideo_does(dtype):
 def test_window_from_start_turns_those_tokens_and_keeps_the_rest(tokens, rotated, start, rule):
     """Tables of ``R`` tokens from ``start`` turn exactly that window, as the family turns it alone (CogVideoX's
     processor: ``apply_rotary_emb`` on ``x[:, text:]``), and keep every other token; a window that does not fit in Q
-    is refused by name."""
+    is refused by name, by the torch form called alone too."""
     g = torch.Generator().manual_seed(tokens * 41 + rotated)
     q, k = ((torch.randn(2, tokens, 3, 16, generator=g) * 4).bfloat16() for _ in range(2))
     cos, sin = (torch.randn(1, rotated, 1, 16, generator=g) for _ in range(2))
     if start < 0 or start + rotated > tokens:
-        with pytest.raises(ValueError, match=rf"start {start}: .* \(0 <= start <= S - R\)"):
-            rotary.rotate_interleaved(q, k, cos, sin, rule=rule, start=start)
+        for rotate in (lambda: rotary.rotate_interleaved(q, k, cos, sin, rule=rule, start=start),
+                       lambda: rotary.rotate_interleaved_reference(q, cos, sin, rule=rule, start=start)):
+            with pytest.raises(ValueError, match=rf"start {start}: .* \(0 <= start <= S - R\)"):
+                rotate()
         return
     got = rotary.rotate_interleaved(q, k, cos, sin, rule=rule, start=start)
+    assert torch.equal(got[0], rotary.rotate_interleaved_reference(q, cos, sin, rule=rule, start=start))
     end = start + rotated
     for x, out in zip((q, k), got):
         assert torch.equal(out[:, start:end], STOCK[rule](x[:, start:end], cos, sin))

@@ -55,6 +55,7 @@ def rotate_interleaved_reference(x: torch.Tensor, freqs_cos: torch.Tensor, freqs
     """``x`` ``[B, S, H, D]`` turned pair by pair under ``rule``, in torch (the tables broadcast against ``x``; tables
     ``[.., R, 1, D]`` of ``R < S`` tokens turn tokens ``start`` to ``start + R`` and keep the rest)."""
     _check_rule(rule)
+    _check_window(x, freqs_cos, start)
     if x.ndim == 4 and freqs_cos.ndim == 4 and (rotated := freqs_cos.shape[1]) < x.shape[1]:
         end = start + rotated
         window = rotate_interleaved_reference(x[:, start:end], freqs_cos, freqs_sin, rule)
