@@ -94,7 +94,9 @@ def _compiled_by(nvcc: str, fn):
 
 
 def run_shape(shape, builds, quants, targets, iters, locality, k_mean, v_mean, nvcc=None, reach_spread=0.0,
-              with_triton_skip=True, alternate_skip=False, alternate_builds=False, rounds=8) -> list[dict]:
+              with_triton_skip=True, alternate_skip=False, alternate_builds=False, rounds=8,
+              on_row=lambda rows: None) -> list[dict]:
+    """The shape's rows, each handed to ``on_row`` (with the rows before it) as soon as it is measured."""
     dev = torch.device("cuda")
     q, k, v = (x[0].contiguous() for x in structured_qkv(shape, locality, device=dev, k_mean=k_mean, v_mean=v_mean,
                                                          reach_spread=reach_spread))
@@ -182,6 +184,7 @@ def run_shape(shape, builds, quants, targets, iters, locality, k_mean, v_mean, n
         except Exception as err:  # report and go on: one broken build must not hide the others
             print(f"{shape.name} {name}: FAILED {type(err).__name__}: {err}")
             rows.append(dict(shape=shape.name, impl=name, error=f"{type(err).__name__}: {err}"))
+            on_row(rows)
             continue
         base = base or t
         row = dict(shape=shape.name, impl=name, ms=t, vs_cudnn=base / t, tflops=shape.flops() / t / 1e9,
@@ -197,6 +200,7 @@ def run_shape(shape, builds, quants, targets, iters, locality, k_mean, v_mean, n
             res = counters[name]()
             row["skipped"] = res.skipped_tiles / res.total_tiles
         rows.append(row)
+        on_row(rows)
         extra = f"  skipped {row['skipped']:.3f}" if "skipped" in row else ""
         if times is not None:
             extra += (f"  second {times[1]:.3f} ms (first / second time {times[0] / times[1]:.4f}; per round: median "
@@ -348,16 +352,19 @@ def main() -> None:
         return
     targets = [float(x) for x in args.target_skips.split(",") if x]
     rows = []
+    env = environment(locality=args.locality, k_mean=args.k_mean, v_mean=args.v_mean, reach_spread=args.reach_spread,
+                      builds={b: list(d) for b, d in builds.items()})
+
+    def save(shape_rows: list[dict]) -> None:  # after every row: a call cut short by its time limit keeps its rows
+        if args.out:
+            write_result(args.out, "bench_sage_sm90.py", env, rows + shape_rows, markdown)
+
     for shape in parse_shapes(args.shapes):
         rows += run_shape(shape, builds, quants, targets, args.iters, args.locality, args.k_mean, args.v_mean,
                           args.nvcc, args.reach_spread, not args.no_triton_skip, args.alternate_skip,
-                          args.alternate_builds, args.rounds)
+                          args.alternate_builds, args.rounds, on_row=save)
         torch.cuda.empty_cache()
     if args.out:
-        write_result(args.out, "bench_sage_sm90.py",
-                     environment(locality=args.locality, k_mean=args.k_mean, v_mean=args.v_mean,
-                                 reach_spread=args.reach_spread, builds={b: list(d) for b, d in builds.items()}),
-                     rows, markdown)
         plot_skip_curve(args.out)
 
 
