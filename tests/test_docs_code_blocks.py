@@ -77,12 +77,14 @@ def _family(cls: type, model_id: Any) -> str:
                          "to tests/test_docs_code_blocks.py (_FAMILY_OF_CLASS, _FAMILY_IN_ID, _offline_pipeline)")
 
 
-def _offline_pipeline(family: str) -> Any:
-    """The tiny pipeline of a family, its calls fed the tiny inputs (see the module docstring)."""
+def _offline_pipeline(family: str, model_id: Any) -> Any:
+    """The tiny pipeline of a family, its calls fed the tiny inputs (see the module docstring); Wan 2.2's two experts."""
     import tiny_models
 
-    build = {"flux": tiny_models.flux_pipeline, "wan": tiny_models.wan_pipeline, "sd3": tiny_models.sd3_pipeline}
-    pipe, tiny_inputs = build[family]()
+    if family == "wan":
+        pipe, tiny_inputs = tiny_models.wan_pipeline(two_experts="2.2" in str(model_id))
+    else:
+        pipe, tiny_inputs = {"flux": tiny_models.flux_pipeline, "sd3": tiny_models.sd3_pipeline}[family]()
     tiny_inputs.pop("output_type")  # the block's own output type: images, video frames
     stock = type(pipe)
 
@@ -120,7 +122,7 @@ def offline(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list:
     from diffusers_trtllm import TrtllmAttnProcessor
 
     def from_pretrained(cls: type, model_id: Any = None, *args: Any, **kwargs: Any) -> Any:
-        return _offline_pipeline(_family(cls, model_id))
+        return _offline_pipeline(_family(cls, model_id), model_id)
 
     monkeypatch.setattr(diffusers.DiffusionPipeline, "from_pretrained", classmethod(from_pretrained))
     monkeypatch.setattr(TrtllmAttnProcessor, "__init__", _with_reference_backend(TrtllmAttnProcessor.__init__))
