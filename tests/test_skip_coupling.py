@@ -1,4 +1,4 @@
-"""``benchmarks/skip_coupling.py``'s model of a CTA's two consumers (docs/performance.md cites its table)."""
+"""``benchmarks/skip_coupling.py``'s model of a CTA's two consumers (benchmarks/results/LOG.md cites its table)."""
 
 from __future__ import annotations
 
