@@ -13,17 +13,9 @@ from typing import Any
 
 import torch
 
-from ..config import ControlTypeError
+from ..config import DENOISER_PREFIXES, ControlTypeError, is_denoiser_name
 
 __all__ = ["DENOISER_PREFIXES", "is_denoiser_name", "denoisers", "target_modules", "uncompiled"]
-
-#: Pipeline components served: names starting with these.
-DENOISER_PREFIXES = ("transformer", "unet", "prior", "decoder")
-
-
-def is_denoiser_name(name: str) -> bool:
-    return name.startswith(DENOISER_PREFIXES)
-
 
 def denoisers(pipe: Any, purpose: str = "serve") -> dict[str, torch.nn.Module]:
     """A pipeline's denoisers by component name; raises ``ControlTypeError`` (also a ValueError) if none.
