@@ -22,6 +22,7 @@ import dataclasses
 import inspect
 import json
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -114,8 +115,8 @@ def _not_read(repo_or_dir: str, where: str, err: OSError, local_files_only: bool
     except HFValidationError:
         return (f"{repo_or_dir!r} is neither a folder nor a Hub repo id ('user/name'); pass the folder "
                 "save_pretrained wrote, or a repo id.")
-    if constants.HF_HUB_OFFLINE or local_files_only:
-        why = "HF_HUB_OFFLINE=1" if constants.HF_HUB_OFFLINE else "local_files_only=True"
+    if constants.is_offline_mode() or local_files_only:
+        why = "HF_HUB_OFFLINE=1" if constants.is_offline_mode() else "local_files_only=True"
         return (f"{where} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and the Hub is offline "
                 f"({why}): download it once with network access, or pass a local folder.")
     first = str(err).strip().splitlines()[0] if str(err).strip() else type(cause or err).__name__
@@ -127,7 +128,9 @@ def _fetch(repo_or_dir: str | os.PathLike, **hub: Any) -> tuple[Mapping[str, Any
     repo_or_dir = os.fspath(repo_or_dir)
     where = _where(repo_or_dir, hub.get("subfolder"), hub.get("revision"))
     try:
-        contents = _SettingFile.load_config(repo_or_dir, **hub)
+        with warnings.catch_warnings():  # Diffusers 0.42 passes huggingface_hub an argument it has retired
+            warnings.filterwarnings("ignore", message="The `local_dir_use_symlinks` argument is deprecated")
+            contents = _SettingFile.load_config(repo_or_dir, **hub)
     except OSError as err:
         raise SettingFileError(_not_read(repo_or_dir, where, err, hub.get("local_files_only"))) from None
     except RecursionError:
@@ -259,6 +262,7 @@ def calibration_source(source: Any, cls: type, **hub: Any) -> tuple[Mapping[str,
             setting = check_setting(given, folder, cls)
     else:
         setting = read_setting(path, cls, **hub)
+    build(cls, setting, {})  # the arguments are read too: a file that from_pretrained refuses is refused here
     if setting.calibration is None:
         raise _field_error(setting.source, "calibration", "is null: the setting holds no calibration (save it after "
                                                           "load_calibration, or pass skip_softmax_threshold).")

@@ -17,6 +17,7 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from ..modelopt_format import parse_sparse_attention_config, per_denoiser, read_calibration
+from ..setting import SettingFileError
 from .layer import Calibration, LayerState, layer_of
 from .modules import denoisers, uncompiled
 
@@ -76,12 +77,12 @@ def _shown(names: Iterable[str], limit: int = 3) -> str:
 
 def check_layers(sections: Mapping[str, Mapping[str, Any]], found: Mapping[str, tuple[str, list[str]]],
                  source: str) -> None:
-    """Refuse, in one line naming ``source`` and the field, a calibration made for other layers.
+    """Refuse (``SettingFileError``), in one line naming ``source`` and the field, a calibration made for other layers.
 
     ``found``: per denoiser, its class name and the names of its attention layers.
     """
     if set(sections) != set(found):
-        raise ValueError(f"{source}: field 'calibration' has sections for {_shown(sections)}, and the pipeline's "
+        raise SettingFileError(f"{source}: field 'calibration' has sections for {_shown(sections)}, and the pipeline's "
                          f"denoisers are {_shown(found)}; load the setting made for this pipeline.")
     for attr, section in sections.items():
         cls, names = found[attr]
@@ -89,7 +90,7 @@ def check_layers(sections: Mapping[str, Mapping[str, Any]], found: Mapping[str, 
         if missing or extra:
             differ = "; ".join(part for part in (f"not in the file: {_shown(missing)}" if missing else "",
                                                   f"only in the file: {_shown(extra)}" if extra else "") if part)
-            raise ValueError(
+            raise SettingFileError(
                 f"{source}: field 'calibration.{attr}.layers' names the {len(section['layers'])} attention layers "
                 f"of a {section['model_class']}, and {attr} here is a {cls} whose layers differ ({differ}): the "
                 "setting was made for another model; load the one made for this one.")
