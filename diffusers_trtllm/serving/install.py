@@ -20,21 +20,12 @@ import torch
 
 from .._logging import logger
 from .calibrated import apply_calibration, check_layers, denoiser_name
-from .modules import target_modules, uncompiled
+from .modules import attention_modules, target_modules, uncompiled
 from .processor import TrtllmAttnProcessor
 from .setters import drop_layer, put_processor, recorded_replacement, restore_if_unused
 from .timestep import detach_tracker, tracker_of
 
 __all__ = ["install", "uninstall"]
-
-
-def _has_processor(module: torch.nn.Module) -> bool:
-    return callable(getattr(module, "processor", None)) and not isinstance(module, torch.nn.ModuleList)
-
-
-def _attention_modules(root: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """The attention modules ``install`` serves in ``root``, by name."""
-    return [(name, m) for name, m in uncompiled(root).named_modules() if _has_processor(m)]
 
 
 def install(target: Any, processor: TrtllmAttnProcessor) -> Any:
@@ -51,12 +42,12 @@ def install(target: Any, processor: TrtllmAttnProcessor) -> Any:
     record = processor._calibration
     if record is not None:  # a saved setting's calibration: refused before anything changes if made for other layers
         check_layers(record.sections, {denoiser_name(attr): (type(uncompiled(root)).__name__,
-                                                             [name for name, _ in _attention_modules(root)])
+                                                             [name for name, _ in attention_modules(root)])
                                        for attr, root in roots.items()}, record.source)
     tracker = None
     served = 0
     for module_root in roots.values():
-        for name, module in _attention_modules(module_root):
+        for name, module in attention_modules(module_root):
             # A processor of ours being replaced (or one swapped in over ours by attribute): the layer keeps the
             # stock processor it recorded.
             processor.bind(module, replaced=recorded_replacement(module, module.processor), name=name or None)
