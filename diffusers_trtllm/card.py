@@ -13,6 +13,7 @@ reference route (its times are no speed, and the card says so too).
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import importlib.util
 import math
 import os
@@ -247,6 +248,8 @@ def make_card(pipe: Any, proc: Any, prompts: list[str], inputs: list[dict], out:
     import torch
     from huggingface_hub import ModelCard, ModelCardData
 
+    from .setting import SETTING_FILE, constructor_parameters
+
     runs = run_both(pipe, proc, inputs, seeds, steps, progress)
     lpips_net = _lpips_net()
     per_prompt = []
@@ -263,7 +266,9 @@ def make_card(pipe: Any, proc: Any, prompts: list[str], inputs: list[dict], out:
         tags=["diffusers", "diffusers-trtllm", "attention", "skip-softmax", "sparse-attention"]
         + (["sage-attention", "quantization"] if proc.quant is not None else []) + (["tiny-random"] if offline else []),
     )
-    layers = proc._calibration.sections if proc._calibration is not None else {}
+    with open(os.path.join(out, SETTING_FILE), encoding="utf-8") as f:
+        written = json.load(f)  # what the card describes is what was saved
+    layers = written["calibration"] or {}
     speed = _speed(runs)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     speed_note = (f"Measured on {device}, whole pipeline and its attention modules, dense beside." if not offline else
@@ -281,10 +286,10 @@ def make_card(pipe: Any, proc: Any, prompts: list[str], inputs: list[dict], out:
         frame_note="first frame of each video, " if runs.video else "",
         base_model_link=f"{repository}/blob/main/diffusers_trtllm/demo.py" if offline else f"https://huggingface.co/{model_id}",
         repository=repository, quant=proc.quant.dtype_qk if proc.quant is not None else None,
-        setting_file=proc.config_name, model_class=", ".join(sorted({s["model_class"] for s in layers.values()})) or
+        setting_file=SETTING_FILE, model_class=", ".join(sorted({s["model_class"] for s in layers.values()})) or
         type(pipe).__name__, num_layers=sum(len(s["layers"]) for s in layers.values()),
         noise_note=NOISE_NOTE if offline else None, repo_id=repo_id or f"YOUR_NAME/{os.path.basename(os.path.abspath(out))}",
-        arguments=[(k, v) for k, v in sorted(proc.config.items()) if not k.startswith("_")],
+        arguments=[(k, json.dumps(written[k])) for k in sorted(constructor_parameters(type(proc)))],
         calibration_note=calibration_note, device=device, speed_note=speed_note, runs=len(prompts) * seeds,
         dense=speed["dense"], setting=speed["setting"], ratio=speed["ratio"], steps=steps,
         size=None, seeds=seeds, lpips=lpips_net is not None,

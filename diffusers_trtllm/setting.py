@@ -1,8 +1,8 @@
 """A processor's setting as one JSON file, in a folder or a Hugging Face Hub repo.
 
-``trtllm_attention.json`` holds every argument ``TrtllmAttnProcessor(...)`` was built with (Diffusers'
-``ConfigMixin`` records them from the constructor's own signature, so a new argument is saved with no change
-here), the format's version, and the calibration its layers were given, per denoiser, in ModelOpt's
+``trtllm_attention.json`` holds every argument ``TrtllmAttnProcessor(...)`` was built with (recorded from the
+constructor's own signature by :func:`records_arguments`, so a new argument is saved with no change here), the
+format's version, and the calibration its layers were given, per denoiser, in ModelOpt's
 ``sparse_attention_config`` form beside the names of the layers it was made for::
 
     {"_class_name": "TrtllmAttnProcessor", "format_version": 1, "target_sparsity": 0.5, "quant": "int8", ...,
@@ -11,7 +11,8 @@ here), the format's version, and the calibration its layers were given, per deno
                                      "sparse_attention_config": {"config_groups": {...}}}}}
 
 Finding the file (a folder, or a repo id: ``subfolder``, ``revision``, ``cache_dir``, ``local_files_only``,
-offline mode, ``token``) is Diffusers' ``ConfigMixin.load_config``; uploading is its ``save_config(push_to_hub=True)``.
+offline mode, ``token``) is Diffusers' ``ConfigMixin.load_config``; writing and uploading is its
+``save_config(push_to_hub=True)`` (``huggingface_hub``'s ``create_repo`` and ``upload_folder``).
 What is read is checked here before anything is built: a newer format, a missing or malformed field, or a
 foreign file is one line (:class:`SettingFileError`) naming the file and the field.
 """
@@ -19,6 +20,7 @@ foreign file is one line (:class:`SettingFileError`) naming the file and the fie
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import json
 import os
@@ -28,13 +30,14 @@ from typing import Any, Callable, Mapping
 
 import torch
 from diffusers.configuration_utils import ConfigMixin
+from diffusers.utils import PushToHubMixin
 
 from .config import QuantConfig
 from .modelopt_format import parse_sparse_attention_config, read_calibration
 from .version import __version__
 
 __all__ = ["SETTING_FILE", "FORMAT_VERSION", "SettingFileError", "Setting", "read_setting", "setting_contents",
-           "jsonable", "calibration_source", "is_setting", "constructor_parameters", "check_setting", "build"]
+           "jsonable", "calibration_source", "is_setting", "constructor_parameters", "check_setting", "build", "records_arguments", "save"]
 
 #: The file ``save_pretrained`` writes and ``from_pretrained`` reads.
 SETTING_FILE = "trtllm_attention.json"
@@ -50,10 +53,41 @@ class SettingFileError(ValueError):
     """A setting file that cannot be used: its one line names the file and the field."""
 
 
-class _SettingFile(ConfigMixin):
-    """Diffusers' ``load_config`` finds ``SETTING_FILE`` in a folder, the Hub or its cache."""
+class _SettingFile(ConfigMixin, PushToHubMixin):
+    """The file as Diffusers handles configurations: ``load_config`` finds it in a folder, the Hub or its cache;
+    ``save_config`` writes it and, with ``push_to_hub``, uploads its folder."""
 
     config_name = SETTING_FILE
+
+    def __init__(self, contents: Mapping[str, Any]) -> None:
+        self._contents = contents
+
+    def to_json_string(self) -> str:
+        return json.dumps(self._contents, indent=2, sort_keys=True) + "\n"
+
+
+def records_arguments(init: Callable[..., None]) -> Callable[..., None]:
+    """Make a constructor keep every argument it was called with, defaults included and in JSON's types, on the
+    instance (``_arguments``): what ``save`` writes. Read from the constructor's own signature, so an argument
+    added to it is saved with no change here (Diffusers' ``register_to_config`` does the same for configs)."""
+    signature = inspect.signature(init)
+
+    @functools.wraps(init)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> None:
+        bound = signature.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        init(self, *args, **kwargs)
+        self._arguments = {k: jsonable(v) for k, v in list(bound.arguments.items())[1:]}
+
+    return wrapper
+
+
+def save(contents: Mapping[str, Any], save_directory: str | os.PathLike, push_to_hub: bool = False,
+         **kwargs: Any) -> None:
+    """Write ``SETTING_FILE`` into ``save_directory`` and, with ``push_to_hub``, upload the folder: Diffusers'
+    ``save_config`` (``repo_id``, ``commit_message``, ``private``, ``token``, ``create_pr``, ``subfolder``)."""
+    kwargs.setdefault("commit_message", f"Upload a {CLASS_NAME} setting")
+    _SettingFile(contents).save_config(os.fspath(save_directory), push_to_hub=push_to_hub, **kwargs)
 
 
 @dataclass(frozen=True)

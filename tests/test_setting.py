@@ -37,8 +37,8 @@ EXAMPLES = {
 EXCLUSIVE = ("skip_softmax_threshold", "target_sparsity")
 
 
-def _public(config) -> dict:
-    return {k: v for k, v in dict(config).items() if not k.startswith("_")}
+def _arguments(proc) -> dict:
+    return proc._arguments
 
 
 def _parameters() -> list[str]:
@@ -96,10 +96,18 @@ def test_every_constructor_argument_round_trips(tmp_path, name):
     written = json.loads((tmp_path / SETTING_FILE).read_text())
     assert written[name] == kwargs[name] and written["format_version"] == FORMAT_VERSION
     loaded = TrtllmAttnProcessor.from_pretrained(tmp_path)
-    assert _public(loaded.config) == _public(proc.config)
+    assert _arguments(loaded) == _arguments(proc)
     for role in ("self", "cross", "joint", "refiner"):
         assert loaded.role_settings(role) == proc.role_settings(role)
     assert loaded.collect_stats == proc.collect_stats
+
+
+def test_the_processor_adds_only_the_three_hub_methods_to_its_public_names():
+    from diffusers.utils import PushToHubMixin
+
+    ours = {n for n in dir(TrtllmAttnProcessor) if not n.startswith("_")} & (
+        {n for n in dir(PushToHubMixin) if not n.startswith("_")} | {"save_pretrained", "from_pretrained", "config"})
+    assert ours == {"save_pretrained", "from_pretrained", "push_to_hub"}
 
 
 def test_a_quant_config_and_a_dtype_are_saved_as_json(tmp_path):
@@ -115,6 +123,8 @@ def test_keyword_arguments_override_the_file(saved):
     _, _, _, folder = saved
     loaded = TrtllmAttnProcessor.from_pretrained(folder, quant=None)
     assert loaded.quant is None and loaded.skip.target_sparsity == 0.4
+    with pytest.raises(TypeError, match=r"from_pretrained has unknown keyword arguments 'qaunt' \(did you mean 'quant'\?\)"):
+        TrtllmAttnProcessor.from_pretrained(folder, qaunt=None)
 
 
 # ---- the same calibration and output -------------------------------------------------------------------------------
@@ -182,7 +192,7 @@ def test_a_repo_id_loads_offline_from_the_cache_with_subfolder_and_revision(save
     for revision in (None, "v1", commit):
         loaded = TrtllmAttnProcessor.from_pretrained("someuser/flux-trtllm", subfolder="flux", revision=revision,
                                                      cache_dir=tmp_path)
-        assert _public(loaded.config) == _public(proc.config)
+        assert _arguments(loaded) == _arguments(proc)
     fresh, fresh_inputs = build_demo_pipeline(0)
     fresh.set_progress_bar_config(disable=True)
     install(fresh, loaded)

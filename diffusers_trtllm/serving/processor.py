@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import copy
 import inspect
-import json
 import numbers
 import os
 import weakref
@@ -31,7 +30,6 @@ from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 import torch
-from diffusers.configuration_utils import ConfigMixin, register_to_config
 from diffusers.utils import PushToHubMixin
 
 from .. import setting as _setting
@@ -100,7 +98,7 @@ def _role_settings(base: Mapping[str, Any], override: Any, role: str) -> Setting
     return Settings(skip, quant, kw["backend"], kw["fallback"], policy=policy, honour=honour)
 
 
-class TrtllmAttnProcessor(ConfigMixin, PushToHubMixin):
+class TrtllmAttnProcessor(PushToHubMixin):
     """Attention processor serving every layer of a Diffusers model with TRT-LLM kernels.
 
     Controls (names of vLLM-Omni's ``TRTLLM_ATTN`` backend): ``skip_softmax_threshold``
@@ -118,20 +116,18 @@ class TrtllmAttnProcessor(ConfigMixin, PushToHubMixin):
 
     A setting saves and loads as Diffusers' configurations do (:mod:`diffusers_trtllm.setting`):
     ``proc.save_pretrained(folder, push_to_hub=False, repo_id=None)`` writes every constructor argument
-    (``proc.config``) and the calibration the layers were given to one JSON file; ``push_to_hub(repo_id)``
+    and the calibration the layers were given to one JSON file; ``push_to_hub(repo_id)``
     uploads it; ``TrtllmAttnProcessor.from_pretrained(repo_or_folder)`` builds the processor again, and
     ``install(pipe, proc)`` gives the layers that calibration.
     """
 
     #: Called as ``observer(layer, t, layout, query, key, scale)`` before each served call (``calibrate``'s pass).
     call_observer: Any = None
-    #: ``ConfigMixin``: the file ``save_pretrained`` writes.
-    config_name = _setting.SETTING_FILE
     #: The calibration the served layers were given (``load_calibration``, or the file of ``from_pretrained``):
     #: what ``save_pretrained`` writes and ``install`` applies.
     _calibration: CalibrationRecord | None = None
 
-    @register_to_config
+    @_setting.records_arguments
     def __init__(
         self,
         skip_softmax_threshold: float | None = None,
@@ -164,8 +160,6 @@ class TrtllmAttnProcessor(ConfigMixin, PushToHubMixin):
         self._explicit = {role: given | set(roles[role] if isinstance(roles.get(role), Mapping) else ()) for role in ROLES}
         self._built_without_arguments = not given and not roles and not collect_stats
         self.roles = roles
-        # What ConfigMixin recorded, in JSON's types (a QuantConfig as its fields), for save_pretrained.
-        self.register_to_config(quant=_setting.jsonable(quant), roles=_setting.jsonable(roles))
         if not isinstance(collect_stats, bool):  # bool("no") would turn the counting on
             raise ControlTypeError(f"collect_stats must be True or False; got {collect_stats!r:.60} "
                                    f"({type(collect_stats).__name__}).")
@@ -213,6 +207,10 @@ class TrtllmAttnProcessor(ConfigMixin, PushToHubMixin):
         """
         names = _setting.constructor_parameters(cls)
         overrides = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
+        unknown = set(kwargs) - {"force_download", "proxies"}
+        if unknown:
+            raise TypeError(unknown_keys_message("from_pretrained", unknown, [*names, "force_download", "proxies"],
+                                                 what="keyword arguments"))
         found = _setting.read_setting(pretrained_model_name_or_path, cls, subfolder=subfolder, revision=revision,
                                       cache_dir=cache_dir, local_files_only=local_files_only, token=token, **kwargs)
         proc = _setting.build(cls, found, overrides)
@@ -225,7 +223,7 @@ class TrtllmAttnProcessor(ConfigMixin, PushToHubMixin):
         """Write the setting (``SETTING_FILE``: every constructor argument and the layers' calibration) into
         ``save_directory``; with ``push_to_hub``, upload the folder to ``repo_id`` (default: the folder's name)
         through Diffusers' ``save_config`` (``commit_message``, ``private``, ``token``, ``create_pr``,
-        ``subfolder``)."""
+        ``subfolder``). ``push_to_hub(repo_id)`` is Diffusers' ``PushToHubMixin``'s (it keeps the repo's card)."""
         kwargs.pop("safe_serialization", None)  # PushToHubMixin.push_to_hub passes these: a setting holds no weights
         kwargs.pop("variant", None)
         uncalibrated = self._calibration is None and any(s.calibration is not None for s in self._layers)
@@ -235,12 +233,8 @@ class TrtllmAttnProcessor(ConfigMixin, PushToHubMixin):
                              "installed, then save_pretrained.")
         if repo_id is not None:
             kwargs["repo_id"] = repo_id
-        self.save_config(os.fspath(save_directory), push_to_hub=push_to_hub, **kwargs)
-
-    def to_json_string(self) -> str:
-        """The setting file's text (``ConfigMixin.save_config`` writes it)."""
         calibration = self._calibration.sections if self._calibration is not None else None
-        return json.dumps(_setting.setting_contents(self.config, calibration), indent=2, sort_keys=True) + "\n"
+        _setting.save(_setting.setting_contents(self._arguments, calibration), save_directory, push_to_hub, **kwargs)
 
     # ---- what a layer asks of its processor ------------------------------------------------------
     def adopt(self, state: LayerState) -> None:
