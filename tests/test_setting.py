@@ -358,3 +358,32 @@ def test_a_processor_whose_layers_came_calibrated_asks_for_load_calibration(save
     with pytest.raises(ValueError, match=r"call load_calibration\(pipe, \.\.\.\) with this processor installed"):
         successor.save_pretrained(tmp_path)
     install(pipe, proc)
+
+
+def _curve(a: float, b: float, **group) -> dict:
+    return {"sparse_attention_config": {"config_groups": {"g": {
+        "threshold_scale_factor": {"formula": "a * exp(b * target_sparsity)", "coefficients": {"a": a, "b": b}},
+        **group}}}}
+
+
+def test_wan22_two_experts_round_trip_with_their_own_curves(tmp_path):
+    """Two denoisers with layers of the same names: each keeps its own section and curve."""
+    pipe, inputs = tiny_models.wan_pipeline(two_experts=True)
+    proc = TrtllmAttnProcessor(skip_softmax_threshold=None, target_sparsity=0.3, backend="reference")
+    install(pipe, proc)
+    load_calibration(pipe, {"transformer": _curve(3.0, 2.0), "transformer_2": _curve(5.0, 1.0, ignore=["blocks.1.*"])})
+    before = pipe(**inputs, num_inference_steps=2, generator=torch.Generator().manual_seed(0)).frames
+    proc.save_pretrained(tmp_path)
+    assert set(json.loads((tmp_path / SETTING_FILE).read_text())["calibration"]) == {"transformer", "transformer_2"}
+    fresh, fresh_inputs = tiny_models.wan_pipeline(two_experts=True)
+    install(fresh, TrtllmAttnProcessor.from_pretrained(tmp_path))
+    for expert in ("transformer", "transformer_2"):
+        old, new = getattr(pipe, expert), getattr(fresh, expert)
+        assert [(layer_of(m).calibration, layer_of(m).ignored) for m in new.modules() if layer_of(m)] == \
+               [(layer_of(m).calibration, layer_of(m).ignored) for m in old.modules() if layer_of(m)]
+    after = fresh(**fresh_inputs, num_inference_steps=2, generator=torch.Generator().manual_seed(0)).frames
+    assert torch.equal(after, before)
+    single, _ = tiny_models.wan_pipeline()  # one expert: the file's transformer_2 section has no denoiser here
+    with pytest.raises(SettingFileError, match=r"field 'calibration' has sections for transformer, transformer_2, and "
+                                               r"the pipeline's denoisers are transformer"):
+        install(single, TrtllmAttnProcessor.from_pretrained(tmp_path))
