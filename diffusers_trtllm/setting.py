@@ -113,7 +113,7 @@ def jsonable(value: Any) -> Any:
 
 
 def setting_contents(arguments: Mapping[str, Any], calibration: Mapping[str, Any] | None) -> dict[str, Any]:
-    """The file's content: the constructor's ``arguments`` (``proc.config``), the format and the calibration."""
+    """The file's content: the constructor's ``arguments`` (``records_arguments``), the format and the calibration."""
     from diffusers import __version__ as diffusers_version
 
     return {
@@ -134,7 +134,7 @@ def _where(repo_or_dir: str, subfolder: str | None, revision: str | None) -> str
     return path + (f"@{revision}" if revision else "")
 
 
-def _not_read(repo_or_dir: str, where: str, err: OSError, local_files_only: bool | None) -> str:
+def _not_read(repo_or_dir: str, where: str, err: OSError, hub: Mapping[str, Any]) -> str:
     """One line for a setting file that Diffusers' ``load_config`` could not find or read."""
     from huggingface_hub import constants
     from huggingface_hub.utils import HFValidationError, validate_repo_id
@@ -149,9 +149,10 @@ def _not_read(repo_or_dir: str, where: str, err: OSError, local_files_only: bool
     except HFValidationError:
         return (f"{repo_or_dir!r} is neither a folder nor a Hub repo id ('user/name'); pass the folder "
                 "save_pretrained wrote, or a repo id.")
-    if constants.is_offline_mode() or local_files_only:
+    if constants.is_offline_mode() or hub.get("local_files_only"):
         why = "HF_HUB_OFFLINE=1" if constants.is_offline_mode() else "local_files_only=True"
-        return (f"{where} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and the Hub is offline "
+        cache = os.fspath(hub.get("cache_dir") or constants.HF_HUB_CACHE)
+        return (f"{where} is not in the Hugging Face cache ({cache}) and the Hub is offline "
                 f"({why}): download it once with network access, or pass a local folder.")
     first = str(err).strip().splitlines()[0] if str(err).strip() else type(cause or err).__name__
     return f"{where} is missing or cannot be fetched: {first}"
@@ -166,7 +167,7 @@ def _fetch(repo_or_dir: str | os.PathLike, **hub: Any) -> tuple[Mapping[str, Any
             warnings.filterwarnings("ignore", message="The `local_dir_use_symlinks` argument is deprecated")
             contents = _SettingFile.load_config(repo_or_dir, **hub)
     except OSError as err:
-        raise SettingFileError(_not_read(repo_or_dir, where, err, hub.get("local_files_only"))) from None
+        raise SettingFileError(_not_read(repo_or_dir, where, err, hub)) from None
     except RecursionError:
         raise SettingFileError(f"{where} is nested too deeply to read as JSON: a setting is a few levels of objects.") from None
     return contents, where

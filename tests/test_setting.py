@@ -214,6 +214,7 @@ def test_a_repo_id_not_in_the_cache_is_one_line_saying_offline(tmp_path, offline
             load_calibration(pipe, "someuser/not-downloaded", cache_dir=tmp_path)
     line = str(err.value)
     assert "\n" not in line and "someuser/not-downloaded" in line and "offline" in line and "HF_HUB_OFFLINE" in line
+    assert str(tmp_path) in line  # the cache it looked in
     assert _processors(pipe) == before
 
 
@@ -387,3 +388,9 @@ def test_wan22_two_experts_round_trip_with_their_own_curves(tmp_path):
     with pytest.raises(SettingFileError, match=r"field 'calibration' has sections for transformer, transformer_2, and "
                                                r"the pipeline's denoisers are transformer"):
         install(single, TrtllmAttnProcessor.from_pretrained(tmp_path))
+
+
+def test_local_files_only_names_itself_when_the_repo_is_not_cached(tmp_path):
+    with pytest.raises(SettingFileError, match=r"someuser/not-downloaded/trtllm_attention.json is not in the Hugging "
+                                               r"Face cache .* offline \(local_files_only=True\)"):
+        TrtllmAttnProcessor.from_pretrained("someuser/not-downloaded", cache_dir=tmp_path, local_files_only=True)
