@@ -13,6 +13,9 @@ per-step tables. Its wall times are the CPU running reference code, not a measur
 where skip-softmax would skip and writes a ModelOpt ``sparse_attention_config``; without
 ``--model`` it calibrates the tiny offline pipeline.
 
+``python -m diffusers_trtllm card --prompts FILE --out DIR [--model ID] [--push-to-hub REPO]`` writes a setting's
+model card (docs/model_card.md): the setting, its speed and its quality against dense.
+
 ``python -m diffusers_trtllm build-kernels`` compiles every variant of the project's CUDA kernel
 into the cache (``$DIFFUSERS_TRTLLM_CACHE``), for a Docker image or an offline machine; no GPU needed.
 """
@@ -20,6 +23,7 @@ into the cache (``$DIFFUSERS_TRTLLM_CACHE``), for a Docker image or an offline m
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 import tempfile
@@ -466,10 +470,117 @@ def run_build_kernels(args: argparse.Namespace) -> list[str]:
     return [str(c) for c in cubins]
 
 
+def parse_card_args(argv: list[str]) -> argparse.Namespace:
+    """The ``card`` command's arguments, every value checked before any model is built."""
+    from .card import METRICS_EXTRA, TINY_MODEL_ID
+
+    p = _Parser(
+        prog=f"{PROG} card", formatter_class=_HelpFormatter, allow_abbrev=False,
+        description="Calibrate a pipeline (or take --calibration), run it dense and with the setting on the same "
+                    "prompts and seeds, and write a folder for the Hugging Face Hub: the setting "
+                    "(trtllm_attention.json), a README.md model card with the speed, the quality against dense per "
+                    "prompt (PSNR, SSIM; LPIPS where the lpips package is installed), the skipped fraction per layer "
+                    "and step, and side-by-side images. docs/model_card.md is the guide.")
+    p.add_argument("--model", default=TINY_MODEL_ID,
+                   help=f"Hugging Face model id or path (GPU); {TINY_MODEL_ID!r} is the demo's tiny offline pipeline "
+                        "(random weights, CPU)")
+    p.add_argument("--prompts", required=True, help="text file, one prompt per line")
+    p.add_argument("--target-sparsity", type=_checked(float, lambda v: SkipSoftmaxConfig(target_sparsity=v)),
+                   default=0.5, help="the setting's target_sparsity, in [0, 1]")
+    p.add_argument("--disabled-until-timestep", default=DEFAULT_GATE,
+                   type=_checked(float, lambda v: SkipSoftmaxConfig(disabled_until_timestep=v)),
+                   help="normalized timestep in [0, 1]: dense while t is above this")
+    p.add_argument("--quant", choices=["int8", "fp8_e4m3", "none"], default="none", help="SAGE dtype for Q/K")
+    p.add_argument("--calibration", default=None,
+                   help="a sparse_attention_config JSON file, model folder, saved setting or Hub repo id (None: "
+                        "calibrate on the prompts first)")
+    p.add_argument("--seeds", type=_checked(int, _positive), default=2, help="seeds per prompt (0, 1, ...)")
+    p.add_argument("--steps", type=_checked(int, _positive), default=None,
+                   help="denoising steps (None: 4 for the tiny pipeline, 28 with --model)")
+    p.add_argument("--license", default="apache-2.0", help="the card's license (the setting's; a Hub license id)")
+    p.add_argument("--out", required=True, help="folder to write the card into")
+    p.add_argument("--push-to-hub", default=None, metavar="REPO", help="upload the folder to this Hub repo (user/name)")
+    p.add_argument("--debug", action="store_true", help="show the traceback of an error, not just its line")
+    args = p.parse_args(argv)
+    args.offline = args.model == TINY_MODEL_ID
+    if args.steps is None:
+        args.steps = 4 if args.offline else 28
+    if not os.path.isfile(args.prompts):
+        p.error(f"argument --prompts: {args.prompts!r} is not a file")
+    args.prompt_lines = _read_prompts(p, args.prompts)
+    missing = [m for m in ("torchmetrics", "matplotlib") if importlib.util.find_spec(m) is None]
+    if missing:
+        p.error(f"the card measures with {' and '.join(missing)}, which is not installed; "
+                f"pip install 'diffusers-trtllm[{METRICS_EXTRA}]'")
+    if args.calibration is not None and os.path.exists(args.calibration):
+        from .calibration.checkpoint import check_calibration
+
+        _library_check(p, "--calibration", check_calibration, args.calibration)
+    if args.push_to_hub is not None:
+        from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+        try:
+            validate_repo_id(args.push_to_hub)
+        except HFValidationError as err:
+            p.error(f"argument --push-to-hub: {str(err).splitlines()[0]}")
+    why = _writable_directory(args.out)
+    if why:
+        p.error(f"argument --out: cannot write the card to {args.out!r}: {why}; pass a writable folder")
+    return args
+
+
+def run_card(args: argparse.Namespace) -> str:
+    """Calibrate (or read --calibration), run dense and with the setting, and write the card folder."""
+    import torch
+    from tqdm.auto import tqdm
+
+    from .calibration import calibrate, load_calibration
+    from .card import make_card, prompt_inputs
+    from .demo import build_demo_pipeline
+    from .serving import install
+    from .serving.processor import TrtllmAttnProcessor
+
+    if args.offline:
+        pipe, demo_inputs = build_demo_pipeline(0)
+        inputs = prompt_inputs(args.prompt_lines, demo_inputs)
+        backend, calibration_prompts = "reference", [{k: v for k, v in i.items() if k.endswith("embeds")} for i in inputs]
+        size = {"height": demo_inputs["height"], "width": demo_inputs["width"]}
+    else:
+        from diffusers import DiffusionPipeline
+
+        if not torch.cuda.is_available():
+            raise RuntimeError("card --model needs a CUDA GPU (without --model it makes the tiny offline pipeline's card "
+                               "on the CPU).")
+        pipe = DiffusionPipeline.from_pretrained(args.model, torch_dtype=torch.bfloat16).to("cuda")
+        inputs, backend, calibration_prompts, size = prompt_inputs(args.prompt_lines, None), "auto", args.prompt_lines, {}
+    pipe.set_progress_bar_config(disable=True)
+    proc = TrtllmAttnProcessor(target_sparsity=args.target_sparsity, disabled_until_timestep=args.disabled_until_timestep,
+                               quant=None if args.quant == "none" else {"dtype_qk": args.quant}, backend=backend,
+                               collect_stats=args.offline)
+    if args.calibration is None:
+        calibration = calibrate(pipe, calibration_prompts, steps=args.steps, fit_range=(0.05, 0.95),
+                                target_sparsity=args.target_sparsity,
+                                disabled_until_timestep=args.disabled_until_timestep, **size)
+        note = f"the {len(args.prompt_lines)} prompt(s) below, {args.steps} steps (`calibrate`)"
+    else:
+        calibration, note = args.calibration, f"`{args.calibration}`"
+    install(pipe, proc)
+    load_calibration(pipe, calibration)
+    readme = make_card(pipe, proc, args.prompt_lines, inputs, args.out, model_id=args.model, steps=args.steps,
+                       seeds=args.seeds, calibration_note=note, repo_id=args.push_to_hub, license=args.license,
+                       offline=args.offline, progress=lambda work: tqdm(work, desc="card: dense and setting runs"))
+    print(f"saved {readme}")
+    if args.push_to_hub:
+        proc.save_pretrained(args.out, push_to_hub=True, repo_id=args.push_to_hub)
+        print(f"uploaded {args.out} to https://huggingface.co/{args.push_to_hub}")
+    return readme
+
+
 #: Subcommands, by first argument: (argument parser, runner).
 COMMANDS: dict[str, tuple[Callable[[list[str]], argparse.Namespace], Callable[[argparse.Namespace], Any]]] = {
     "calibrate": (parse_calibrate_args, run_calibrate),
     "build-kernels": (parse_build_args, run_build_kernels),
+    "card": (parse_card_args, run_card),
 }
 
 

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "SkipSoftmaxConfig", "QuantConfig", "QK_QUANT_DTYPES", "BLOCK_SIZES", "K_BLOCK_SIZES", "DEFAULT_K_BLOCK", "K_PER_THREAD_BLOCKS", "ControlTypeError", "unknown_keys_message",
-    "POLICIES", "ROUTE_NAMES", "CPU_ROUTES", "GROUP_BY", "check_fit_range",
+    "POLICIES", "ROUTE_NAMES", "CPU_ROUTES", "GROUP_BY", "check_fit_range", "DENOISER_PREFIXES", "is_denoiser_name",
 ]
 
 # This module imports no torch: the command line checks its values with it before the slow imports.
@@ -48,6 +48,8 @@ ROUTE_NAMES = ("trtllm-gen", "fa3", "fmha-v2", "fmha-v2-fp8", "sage-sm90", "trit
 CPU_ROUTES = ("sdpa", "reference")
 #: How ``calibrate()`` pools layers into curves: one per transformer (ModelOpt's layout), per role, or per layer.
 GROUP_BY = ("transformer", "role", "layer")
+#: Pipeline components served (``serving.modules``): names starting with these.
+DENOISER_PREFIXES = ("transformer", "unet", "prior", "decoder")
 #: ``torch.finfo(torch.float32).max``: a skip factor must fit in the kernels' fp32.
 _FLOAT32_MAX = 3.4028234663852886e38
 
@@ -65,6 +67,11 @@ def unknown_keys_message(where: str, unknown: Iterable[str], allowed: Iterable[s
         close = difflib.get_close_matches(key, allowed, n=1) or [a for a in allowed if key and key in a][:1]
         parts.append(f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key))
     return f"{where} has unknown {what} {', '.join(parts)}; allowed: {', '.join(allowed)}."
+
+
+def is_denoiser_name(name: str) -> bool:
+    """Whether a pipeline component named ``name`` is a denoiser (``transformer``, ``transformer_2``, ``unet``, ...)."""
+    return name.startswith(DENOISER_PREFIXES)
 
 
 def check_mapping(name: str, value: Any, example: str) -> Mapping[str, Any]:

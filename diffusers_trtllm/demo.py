@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # imported where used: the command line reads this module's sizes before torch loads
     from .serving.processor import TrtllmAttnProcessor
 
-__all__ = ["build_demo_pipeline", "install", "generate", "comparison_image", "DEMO_SIZE", "DEMO_MAX_SIZE",
+__all__ = ["build_demo_pipeline", "install", "generate", "comparison_image", "output_image", "DEMO_SIZE", "DEMO_MAX_SIZE",
            "DEMO_CONTRAST"]
 
 #: Height and width of the demo's images (1024 image tokens + 8 text tokens).
@@ -104,18 +104,19 @@ def generate(pipe: Any, proc: "TrtllmAttnProcessor", inputs: dict, steps: int, s
     pipe.set_progress_bar_config(desc=f"{label:<16}", leave=True)
     start = time.perf_counter()
     out = pipe(**inputs, num_inference_steps=steps, generator=generator, output_type="pil", callback_on_step_end=keep)
-    return _first_image(out), keep.latents, time.perf_counter() - start
+    return output_image(out), keep.latents, time.perf_counter() - start
 
 
-def _first_image(out: Any):
+def output_image(out: Any, frame: str = "middle"):
+    """A pipeline output's first image, or for a video its ``"middle"`` or ``"first"`` frame, as a PIL image."""
     import numpy as np
     from PIL import Image
 
     if hasattr(out, "images"):
         image = out.images[0]
-    else:  # video pipelines: the middle frame
+    else:
         frames = out.frames[0]
-        image = frames[len(frames) // 2]
+        image = frames[len(frames) // 2 if frame == "middle" else 0]
     if isinstance(image, Image.Image):
         return image
     array = np.asarray(image, dtype=np.float32)

@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 from .._logging import logger
-from .modules import target_modules, uncompiled
+from .calibrated import apply_calibration, check_layers, denoiser_name
+from .modules import attention_modules, target_modules, uncompiled
 from .processor import TrtllmAttnProcessor
 from .setters import drop_layer, put_processor, recorded_replacement, restore_if_unused
 from .timestep import detach_tracker, tracker_of
@@ -27,24 +28,26 @@ from .timestep import detach_tracker, tracker_of
 __all__ = ["install", "uninstall"]
 
 
-def _has_processor(module: torch.nn.Module) -> bool:
-    return callable(getattr(module, "processor", None)) and not isinstance(module, torch.nn.ModuleList)
-
-
 def install(target: Any, processor: TrtllmAttnProcessor) -> Any:
     """Serve every attention module of ``target`` (a pipeline or any module) with ``processor``.
 
     A pipeline's denoisers share one timestep tracker (Wan 2.2's two experts count
-    their steps together). Returns ``target``.
+    their steps together). A processor carrying a calibration (``from_pretrained``, or an earlier
+    ``load_calibration``) gives it to the layers; one made for other layers is refused before anything changes.
+    Returns ``target``.
     """
     if not isinstance(processor, TrtllmAttnProcessor):
         raise TypeError(f"install() takes a TrtllmAttnProcessor; got {type(processor).__name__}.")
+    roots = target_modules(target)
+    record = processor._calibration
+    if record is not None:  # a saved setting's calibration: refused before anything changes if made for other layers
+        check_layers(record.sections, {denoiser_name(attr): (type(uncompiled(root)).__name__,
+                                                             [name for name, _ in attention_modules(root)])
+                                       for attr, root in roots.items()}, record.source)
     tracker = None
     served = 0
-    for module_root in target_modules(target).values():
-        for name, module in uncompiled(module_root).named_modules():
-            if not _has_processor(module):
-                continue
+    for module_root in roots.values():
+        for name, module in attention_modules(module_root):
             # A processor of ours being replaced (or one swapped in over ours by attribute): the layer keeps the
             # stock processor it recorded.
             processor.bind(module, replaced=recorded_replacement(module, module.processor), name=name or None)
@@ -54,6 +57,8 @@ def install(target: Any, processor: TrtllmAttnProcessor) -> Any:
     tracker.reset()  # this processor's statistics start at step 0
     if not served:
         raise ValueError(f"{type(target).__name__} has no attention module (no module with a `processor`) to serve.")
+    if record is not None:
+        apply_calibration(target, record.sections, record.source)
     logger.debug("TrtllmAttnProcessor installed on %d attention modules of %s", served, type(target).__name__)
     return target
 

@@ -13,17 +13,9 @@ from typing import Any
 
 import torch
 
-from ..config import ControlTypeError
+from ..config import DENOISER_PREFIXES, ControlTypeError, is_denoiser_name
 
-__all__ = ["DENOISER_PREFIXES", "is_denoiser_name", "denoisers", "target_modules", "uncompiled"]
-
-#: Pipeline components served: names starting with these.
-DENOISER_PREFIXES = ("transformer", "unet", "prior", "decoder")
-
-
-def is_denoiser_name(name: str) -> bool:
-    return name.startswith(DENOISER_PREFIXES)
-
+__all__ = ["DENOISER_PREFIXES", "is_denoiser_name", "denoisers", "target_modules", "uncompiled", "attention_modules"]
 
 def denoisers(pipe: Any, purpose: str = "serve") -> dict[str, torch.nn.Module]:
     """A pipeline's denoisers by component name; raises ``ControlTypeError`` (also a ValueError) if none.
@@ -54,3 +46,9 @@ def uncompiled(module: torch.nn.Module) -> torch.nn.Module:
     (``blocks.0.attn1``, not ``_orig_mod.blocks.0.attn1``), so calibrations' ``ignore`` and ``targets`` match."""
     inner = getattr(module, "_orig_mod", None)
     return inner if isinstance(inner, torch.nn.Module) else module
+
+
+def attention_modules(root: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The attention modules of ``root`` (any module with a callable ``processor``), by name: what ``install`` serves."""
+    return [(name, m) for name, m in uncompiled(root).named_modules()
+            if callable(getattr(m, "processor", None)) and not isinstance(m, torch.nn.ModuleList)]

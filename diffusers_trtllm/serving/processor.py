@@ -24,12 +24,15 @@ from __future__ import annotations
 import copy
 import inspect
 import numbers
+import os
 import weakref
 from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 import torch
+from diffusers.utils import PushToHubMixin
 
+from .. import setting as _setting
 from .. import stats
 from ..attention import check_route_choice
 from ..config import ControlTypeError, QuantConfig, SkipSoftmaxConfig, check_mapping, unknown_keys_message
@@ -37,6 +40,7 @@ from ..layout import LayoutCache
 from ..routing.policy import POLICIES
 from ..stats import StepRecord
 from . import intercept as _intercept
+from .calibrated import CalibrationRecord
 from .layer import Calibration, LayerState, attach_layer, layer_of
 from .roles import ROLES
 from .setters import hold_setters, layer_bound, restored_stock
@@ -94,7 +98,7 @@ def _role_settings(base: Mapping[str, Any], override: Any, role: str) -> Setting
     return Settings(skip, quant, kw["backend"], kw["fallback"], policy=policy, honour=honour)
 
 
-class TrtllmAttnProcessor:
+class TrtllmAttnProcessor(PushToHubMixin):
     """Attention processor serving every layer of a Diffusers model with TRT-LLM kernels.
 
     Controls (names of vLLM-Omni's ``TRTLLM_ATTN`` backend): ``skip_softmax_threshold``
@@ -109,11 +113,21 @@ class TrtllmAttnProcessor:
     ``policy="auto"`` runs a call dense where its skip/SAGE request cannot pay off (measured
     rules, :mod:`diffusers_trtllm.routing.policy`); what a role override sets explicitly (a skip control,
     ``quant``), or everything under ``policy="always"``, is honoured on every call.
+
+    A setting saves and loads as Diffusers' configurations do (:mod:`diffusers_trtllm.setting`):
+    ``proc.save_pretrained(folder, push_to_hub=False, repo_id=None)`` writes every constructor argument
+    and the calibration the layers were given to one JSON file; ``push_to_hub(repo_id)``
+    uploads it; ``TrtllmAttnProcessor.from_pretrained(repo_or_folder)`` builds the processor again, and
+    ``install(pipe, proc)`` gives the layers that calibration.
     """
 
     #: Called as ``observer(layer, t, layout, query, key, scale)`` before each served call (``calibrate``'s pass).
     call_observer: Any = None
+    #: The calibration the served layers were given (``load_calibration``, or the file of ``from_pretrained``):
+    #: what ``save_pretrained`` writes and ``install`` applies.
+    _calibration: CalibrationRecord | None = None
 
+    @_setting.records_arguments
     def __init__(
         self,
         skip_softmax_threshold: float | None = None,
@@ -175,6 +189,52 @@ class TrtllmAttnProcessor:
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self._init_runtime()
+
+    # ---- saving and loading the setting (``setting``) ---------------------------------------------
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, subfolder: str | None = None,
+                        revision: str | None = None, cache_dir: str | os.PathLike | None = None,
+                        local_files_only: bool | None = None, token: str | bool | None = None,
+                        **kwargs: Any) -> "TrtllmAttnProcessor":
+        """The processor saved with ``save_pretrained`` in a folder or a Hub repo, with its calibration (which
+        ``install`` gives the layers, after checking they are the ones it was made for).
+
+        Finding the file is Diffusers' ``load_config`` (``subfolder``, ``revision``, ``cache_dir``,
+        ``local_files_only``, ``HF_HUB_OFFLINE``, ``token``; ``force_download`` and ``proxies`` too). Keyword
+        arguments of the constructor override the file's (``from_pretrained(repo, quant=None)``). A newer
+        format, a missing or malformed field, or another class's file raises ``SettingFileError`` (a
+        ``ValueError``) in one line naming the file and the field.
+        """
+        names = _setting.constructor_parameters(cls)
+        overrides = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
+        unknown = set(kwargs) - {"force_download", "proxies"}
+        if unknown:
+            raise TypeError(unknown_keys_message("from_pretrained", unknown, [*names, "force_download", "proxies"],
+                                                 what="keyword arguments"))
+        found = _setting.read_setting(pretrained_model_name_or_path, cls, subfolder=subfolder, revision=revision,
+                                      cache_dir=cache_dir, local_files_only=local_files_only, token=token, **kwargs)
+        proc = _setting.build(cls, found, overrides)
+        if found.calibration is not None:
+            proc._calibration = CalibrationRecord(found.calibration, found.source)
+        return proc
+
+    def save_pretrained(self, save_directory: str | os.PathLike, push_to_hub: bool = False, repo_id: str | None = None,
+                        **kwargs: Any) -> None:
+        """Write the setting (``SETTING_FILE``: every constructor argument and the layers' calibration) into
+        ``save_directory``; with ``push_to_hub``, upload the folder to ``repo_id`` (default: the folder's name)
+        through Diffusers' ``save_config`` (``commit_message``, ``private``, ``token``, ``create_pr``,
+        ``subfolder``). ``push_to_hub(repo_id)`` is Diffusers' ``PushToHubMixin``'s (it keeps the repo's card)."""
+        kwargs.pop("safe_serialization", None)  # PushToHubMixin.push_to_hub passes these: a setting holds no weights
+        kwargs.pop("variant", None)
+        uncalibrated = self._calibration is None and any(s.calibration is not None for s in self._layers)
+        if uncalibrated:
+            raise ValueError("the layers this processor serves carry a calibration it was not given (it came with "
+                             "the processor they had before); call load_calibration(pipe, ...) with this processor "
+                             "installed, then save_pretrained.")
+        if repo_id is not None:
+            kwargs["repo_id"] = repo_id
+        calibration = self._calibration.sections if self._calibration is not None else None
+        _setting.save(_setting.setting_contents(self._arguments, calibration), save_directory, push_to_hub, **kwargs)
 
     # ---- what a layer asks of its processor ------------------------------------------------------
     def adopt(self, state: LayerState) -> None:
