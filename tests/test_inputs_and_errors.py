@@ -31,10 +31,20 @@ def _qkv(dtype=torch.float32, seed=0):
 
 # ---- row 1: processor controls ---------------------------------------------------------------------
 
+def test_processor_public_surface_is_the_users():
+    """``help(TrtllmAttnProcessor)`` lists what a user calls; what layers and setters use is underscored."""
+    public = {name for name in dir(TrtllmAttnProcessor) if not name.startswith("_")}
+    public |= {name for name in vars(TrtllmAttnProcessor()) if not name.startswith("_")}
+    user = {"set_timestep", "step_table", "format_step_table", "summary", "layer_step_rows", "plot", "reset_stats",
+            "layers", "roles", "collect_stats"}
+    hub = {"save_pretrained", "from_pretrained", "push_to_hub"}  # issue 56's, where it has landed
+    assert user <= public <= user | hub, sorted(public - user - hub)
+
+
 def test_processor_accepts_a_dtype_name_for_quant():
     for quant in ("int8", torch.int8, {"dtype_qk": "INT8"}):
-        assert TrtllmAttnProcessor(quant=quant).quant == QuantConfig("int8")
-    assert TrtllmAttnProcessor(quant="fp8").quant.dtype_qk == "fp8_e4m3"
+        assert TrtllmAttnProcessor(quant=quant)._role_settings["self"].quant == QuantConfig("int8")
+    assert TrtllmAttnProcessor(quant="fp8")._role_settings["self"].quant.dtype_qk == "fp8_e4m3"
 
 
 @pytest.mark.parametrize(
@@ -230,8 +240,8 @@ def test_cli_help_shows_defaults(capsys):
 def test_cli_policy_reaches_the_processor():
     from diffusers_trtllm.__main__ import _processor
 
-    assert _processor(parse_args([]), skip=True, sage=True, backend="auto").role_settings("self").policy == "auto"
-    assert _processor(parse_args(["--policy", "always"]), skip=True, sage=False, backend="auto").role_settings("self").policy == "always"
+    assert _processor(parse_args([]), skip=True, sage=True, backend="auto")._role_settings["self"].policy == "auto"
+    assert _processor(parse_args(["--policy", "always"]), skip=True, sage=False, backend="auto")._role_settings["self"].policy == "always"
 
 
 def test_calibration_json_roundtrip_of_accepted_file(tmp_path):

@@ -286,7 +286,7 @@ def test_statistics_stay_bounded_without_timestep_tracking():
         _run(model, inputs)
     assert all(len(s.records) == 5 for s in proc.layers)
     assert [r.step for r in proc.layers[0].records] == list(range(7, 12))
-    assert len(proc.layouts) <= 8 and MAX_STEPS >= 1000
+    assert len(proc._layouts) <= 8 and MAX_STEPS >= 1000
 
 
 def test_per_token_timestep_uses_the_largest_t():

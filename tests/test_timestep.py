@@ -134,4 +134,4 @@ def test_set_timestep_takes_a_number_or_a_one_element_tensor():
     proc = TrtllmAttnProcessor()
     for t, expected in ((0.25, 0.25), (1, 1.0), (torch.tensor(0.5), 0.5), (torch.tensor([0.75]), 0.75), (None, None)):
         proc.set_timestep(t)
-        assert proc.fallback_timestep == expected
+        assert proc._fallback_timestep == expected

@@ -47,7 +47,7 @@ def install(target: Any, processor: TrtllmAttnProcessor) -> Any:
                 continue
             # A processor of ours being replaced (or one swapped in over ours by attribute): the layer keeps the
             # stock processor it recorded.
-            processor.bind(module, replaced=recorded_replacement(module, module.processor), name=name or None)
+            processor._bind(module, replaced=recorded_replacement(module, module.processor), name=name or None)
             put_processor(module, processor)
             served += 1
         tracker = tracker_of(module_root, tracker)

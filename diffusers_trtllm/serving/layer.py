@@ -112,7 +112,7 @@ class LayerState:
         self.key = intercept.register_layer(self)
         if self.stock is not None and self.mode is not None:
             intercept.ensure_routing(self.stock)
-        self.processor.adopt(self)
+        self.processor._adopt(self)
 
     # ---- description --------------------------------------------------------------------------
     @property
@@ -163,7 +163,7 @@ class LayerState:
 
     def settings(self) -> "Settings":
         if self._settings is None:
-            self._settings = self.processor.settings_for(self)
+            self._settings = self.processor._settings_for(self)
         return self._settings
 
     def refresh(self) -> None:
@@ -218,7 +218,7 @@ class LayerState:
         quant = settings.quant if settings.mode == "trtllm" else None
         if skip is not None and skip.configured and skip.gated and t is None:
             skip = self._ungated_skip(skip)
-        observer = self.processor.call_observer
+        observer = self.processor._call_observer
         if observer is not None:  # calibrate(): sees every call's Q, K and layout
             observer(self, t, layout, query, key, scale)
         out, result = run_attention(
@@ -235,7 +235,7 @@ class LayerState:
 
     def _ungated_skip(self, skip: SkipSoftmaxConfig) -> SkipSoftmaxConfig | None:
         """Gated skip-softmax with no known t: say why once, then run dense (never a stale t)."""
-        if self.processor.step_callback_attached:
+        if self.processor._step_callback_attached:
             info_once(("first-step-dense", id(self.processor)),
                       "DenoiseStepCallback publishes t after each step, so the first step runs dense; "
                       "attach_denoise_tracking(pipe, proc) knows t before every step.")
@@ -250,14 +250,14 @@ class LayerState:
 
     def _timestep(self, tensor: torch.Tensor | None) -> float | None:
         if self.tracker is None:
-            return self.processor.fallback_timestep
+            return self.processor._fallback_timestep
         t = self.tracker.read(tensor)
-        return t if t is not None or self.tracker.timed else self.processor.fallback_timestep
+        return t if t is not None or self.tracker.timed else self.processor._fallback_timestep
 
     def _plan(self, query, key, attn_mask, mask_source) -> _MaskPlan:
         """The layout of this call (cached per mask, so one sync per forward)."""
         batch, q_len, kv_len = query.shape[0], query.shape[1], key.shape[1]
-        cache = self.processor.layouts
+        cache = self.processor._layouts
         if attn_mask is None:
             return _MaskPlan(cache.dense(batch, q_len, kv_len, query.device))
 

@@ -13,9 +13,9 @@ stay Diffusers'); only the core attention call is routed to our kernels
 with the same values (:mod:`diffusers_trtllm.serving.rotary`). Per-layer state lives on the module it serves
 (:mod:`diffusers_trtllm.serving.layer`); statistics in :mod:`diffusers_trtllm.stats`. This
 module holds the settings, resolves them per role and layer, and gives each layer what it
-needs through a small public surface (``settings_for``, ``call_observer``,
-``fallback_timestep``, ``step_callback_attached``, ``layouts``, ``adopt`` / ``release``,
-``stock_processor``).
+needs through the package-internal names ``_settings_for``, ``_call_observer``, ``_fallback_timestep``,
+``_step_callback_attached``, ``_layouts``, ``_adopt`` / ``_release`` and ``_stock_processor``: the
+user's surface is the constructor, ``set_timestep``, ``layers`` and the tables.
 See docs/design.md.
 """
 
@@ -112,7 +112,7 @@ class TrtllmAttnProcessor:
     """
 
     #: Called as ``observer(layer, t, layout, query, key, scale)`` before each served call (``calibrate``'s pass).
-    call_observer: Any = None
+    _call_observer: Any = None
 
     def __init__(
         self,
@@ -139,6 +139,7 @@ class TrtllmAttnProcessor:
         unknown = set(roles) - set(ROLES)
         if unknown:
             raise ValueError(unknown_keys_message("roles", unknown, ROLES, what="roles"))
+        #: What each role asks for, before any layer's calibration.
         self._role_settings = {role: _role_settings(base, roles.get(role, {}), role) for role in ROLES}
         # What the user set (not left at its default), per role: a checkpoint fills only the rest.
         defaults = {"backend": "auto", "policy": "auto"}
@@ -166,6 +167,7 @@ class TrtllmAttnProcessor:
         #: States of modules this processor served until another processor (or ``uninstall``) took them,
         #: by module: they keep this processor's statistics until it serves the module again.
         self._retired: "weakref.WeakKeyDictionary[torch.nn.Module, LayerState]" = weakref.WeakKeyDictionary()
+        #: The layout cache every layer shares (one mask packing per transformer forward).
         self._layouts = LayoutCache()
 
     # ---- copies and pickling: layers re-register themselves on restore -------------------------
@@ -177,17 +179,17 @@ class TrtllmAttnProcessor:
         self._init_runtime()
 
     # ---- what a layer asks of its processor ------------------------------------------------------
-    def adopt(self, state: LayerState) -> None:
+    def _adopt(self, state: LayerState) -> None:
         """Serve ``state`` (a layer restored from a copy or a pickle)."""
         self._layers.add(state)
         layer_bound(self, TrtllmAttnProcessor)
 
     @property
-    def is_blank(self) -> bool:
+    def _is_blank(self) -> bool:
         """Built with no arguments and never installed: what Diffusers makes when it rebuilds a processor by class."""
         return self._built_without_arguments and not self._layers and not self._retired
 
-    def release(self, module: torch.nn.Module, state: LayerState) -> None:
+    def _release(self, module: torch.nn.Module, state: LayerState) -> None:
         """Stop serving ``state`` (``module`` was uninstalled or took another processor); its records stay in this
         processor's tables until it serves the module again."""
         self._layers.discard(state)
@@ -195,39 +197,22 @@ class TrtllmAttnProcessor:
         self._retired[module] = state
 
     @property
-    def layouts(self) -> LayoutCache:
-        """The layout cache every layer shares (one mask packing per transformer forward)."""
-        return self._layouts
-
-    @property
-    def fallback_timestep(self) -> float | None:
+    def _fallback_timestep(self) -> float | None:
         """The ``t`` published with ``set_timestep``, for layers whose tracker knows none."""
         return self._t_value
 
     @property
-    def step_callback_attached(self) -> bool:
+    def _step_callback_attached(self) -> bool:
         """Whether a ``DenoiseStepCallback`` publishes ``t`` (then the first step runs dense, said once)."""
         return self._has_callback
 
-    def attach_step_callback(self) -> None:
+    def _attach_step_callback(self) -> None:
         """A ``DenoiseStepCallback`` was made for this processor."""
         self._has_callback = True
 
-    def role_settings(self, role: str) -> Settings:
-        """What ``role`` asks for, before any layer's calibration."""
-        return self._role_settings[role]
-
-    def explicit_settings(self, role: str) -> frozenset[str]:
+    def _explicit_settings(self, role: str) -> frozenset[str]:
         """The controls the user set for ``role`` (not left at their defaults): a checkpoint fills only the rest."""
         return frozenset(self._explicit[role])
-
-    @property
-    def skip(self) -> SkipSoftmaxConfig:
-        return self._role_settings["self"].skip
-
-    @property
-    def quant(self) -> QuantConfig | None:
-        return self._role_settings["self"].quant
 
     # ---- Diffusers' attention backend and parallel config: the stock processors' --------------
     def _set_on_stock(self, name: str, value: Any) -> None:
@@ -260,7 +245,7 @@ class TrtllmAttnProcessor:
         """Run ``attn``'s stock processor with its attention call served."""
         state = layer_of(attn)
         if state is None or state.processor is not self:
-            state = self.bind(attn)
+            state = self._bind(attn)
         if state.mode is None:
             if state.stock is None:
                 raise RuntimeError(
@@ -271,7 +256,7 @@ class TrtllmAttnProcessor:
         return _intercept.call_stock(state, attn, args, kwargs)
 
     # ---- binding ----------------------------------------------------------------------
-    def bind(self, module: torch.nn.Module, replaced: Any = None, name: str | None = None) -> LayerState:
+    def _bind(self, module: torch.nn.Module, replaced: Any = None, name: str | None = None) -> LayerState:
         """Attach per-layer state to ``module`` (done on install; lazily otherwise)."""
         previous = layer_of(module)
         if isinstance(replaced, TrtllmAttnProcessor):
@@ -282,7 +267,7 @@ class TrtllmAttnProcessor:
             state = LayerState(self, name=name)
             if previous is not None:
                 state.take_over(previous)
-                previous.processor.release(module, previous)
+                previous.processor._release(module, previous)
             attach_layer(module, state)
         if name is not None:
             state.name = name
@@ -307,7 +292,7 @@ class TrtllmAttnProcessor:
         layer_bound(self, TrtllmAttnProcessor)
         return state
 
-    def stock_processor(self, attn: torch.nn.Module) -> Any:
+    def _stock_processor(self, attn: torch.nn.Module) -> Any:
         """The family processor doing ``attn``'s work around its attention call (None when none is known)."""
         state = layer_of(attn)
         return state.stock if state is not None else None
@@ -322,7 +307,7 @@ class TrtllmAttnProcessor:
         another processor or ``uninstall`` took them."""
         return self.layers + sorted(self._retired.values(), key=lambda s: int(s.key))
 
-    def settings_for(self, state: LayerState) -> Settings:
+    def _settings_for(self, state: LayerState) -> Settings:
         """What ``state``'s layer runs: its role's settings, with its calibration (or ``ignore``) applied."""
         settings = self._role_settings[state.role]
         if settings.mode != "trtllm":
@@ -338,7 +323,7 @@ class TrtllmAttnProcessor:
                                          disabled_until_timestep=skip.disabled_until_timestep)
             if skip.target_sparsity is not None:
                 skip = skip.with_calibration(cal.a, cal.b)
-                if "disabled_until_timestep" not in self.explicit_settings(state.role) and cal.disabled_until_timestep:
+                if "disabled_until_timestep" not in self._explicit_settings(state.role) and cal.disabled_until_timestep:
                     skip = replace(skip, disabled_until_timestep=cal.disabled_until_timestep)  # an explicit one wins
         return replace(settings, skip=skip)
 

@@ -94,7 +94,7 @@ def drop_layer(module: torch.nn.Module, restore: bool, ours: type) -> None:
     state = detach_layer(module)
     if state is None:
         return
-    state.processor.release(module, state)
+    state.processor._release(module, state)
     if restore and isinstance(getattr(module, "processor", None), ours):
         if state.stock is None:
             raise RuntimeError(f"{type(module).__name__} has no recorded stock processor to restore ({state.reason}).")
@@ -141,7 +141,7 @@ def _patch_diffusers(ours: type) -> None:
                 # fuse_qkv_projections() after install: the fused processor does this layer's projections
                 # from now on, and ours keeps serving its attention.
                 unfused = layer_of(self).stock
-                replaced.bind(self, replaced=processor)
+                replaced._bind(self, replaced=processor)
                 layer_of(self).unfused_stock = unfused
                 info_once(("fused", type(processor).__name__),
                           "TrtllmAttnProcessor: %s now does the fused projections; the attention calls stay served.",
@@ -149,7 +149,7 @@ def _patch_diffusers(ours: type) -> None:
                 return
             _original(self, processor)
             if isinstance(processor, ours):
-                processor.bind(self, replaced=recorded_replacement(self, replaced))
+                processor._bind(self, replaced=recorded_replacement(self, replaced))
             elif layer_of(self) is not None:
                 drop_layer(self, restore=False, ours=ours)
                 _restored[self] = processor  # the stock again, should ours be put back once these setters are Diffusers'
@@ -173,7 +173,7 @@ def _patch_diffusers(ours: type) -> None:
             state = layer_of(module)
             if state is not None and isinstance(getattr(module, "processor", None), ours):
                 if unfusing and state.unfused_stock is not None:
-                    state.processor.bind(module, replaced=state.unfused_stock)
+                    state.processor._bind(module, replaced=state.unfused_stock)
                     state.unfused_stock = None
                 state.rename(name, module)
                 served = True
@@ -193,7 +193,7 @@ def _keep_rebuilt(model: torch.nn.Module, processors: dict, ours: type) -> dict:
     for name, module in model.named_modules():
         key = f"{name}.processor"
         new, current = kept.get(key), getattr(module, "processor", None)
-        if isinstance(new, ours) and new.is_blank and isinstance(current, ours) and new is not current:
+        if isinstance(new, ours) and new._is_blank and isinstance(current, ours) and new is not current:
             kept[key] = current
             info_once(("rebuilt-by-class",),
                       "TrtllmAttnProcessor: set_attn_processor was handed a new TrtllmAttnProcessor() per layer "

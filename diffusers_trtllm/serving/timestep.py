@@ -355,7 +355,7 @@ class DenoiseStepCallback(PipelineCallback):
             raise ControlTypeError(f"on_step must be a callable (step_index, t) or None; got {on_step!r}.")
         self.processor = processor
         self.on_step = on_step
-        processor.attach_step_callback()
+        processor._attach_step_callback()
 
     def callback_fn(self, pipeline: Any, step_index: int, timestep: Any, callback_kwargs: dict) -> dict:
         scheduler = pipeline.scheduler
