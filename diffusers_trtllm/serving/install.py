@@ -22,7 +22,7 @@ from .._logging import logger
 from .modules import target_modules, uncompiled
 from .processor import TrtllmAttnProcessor
 from .setters import drop_layer, put_processor, recorded_replacement, restore_if_unused
-from .timestep import detach_tracker, tracker_of
+from .timestep import detach_tracker, follow_timesteps, tracker_of
 
 __all__ = ["install", "uninstall"]
 
@@ -41,7 +41,8 @@ def install(target: Any, processor: TrtllmAttnProcessor) -> Any:
         raise TypeError(f"install() takes a TrtllmAttnProcessor; got {type(processor).__name__}.")
     tracker = None
     served = 0
-    for module_root in target_modules(target).values():
+    roots = list(target_modules(target).values())
+    for module_root in roots:
         for name, module in uncompiled(module_root).named_modules():
             if not _has_processor(module):
                 continue
@@ -54,6 +55,8 @@ def install(target: Any, processor: TrtllmAttnProcessor) -> Any:
     tracker.reset()  # this processor's statistics start at step 0
     if not served:
         raise ValueError(f"{type(target).__name__} has no attention module (no module with a `processor`) to serve.")
+    # Gated by the timestep each forward is called with (a pipeline's scheduler helps number the steps).
+    follow_timesteps(roots, None if isinstance(target, torch.nn.Module) else target)
     logger.debug("TrtllmAttnProcessor installed on %d attention modules of %s", served, type(target).__name__)
     return target
 

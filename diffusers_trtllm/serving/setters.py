@@ -30,7 +30,7 @@ from .._logging import info_once, logger
 from . import intercept
 from .guidance import register_skip_output, unregister_skip_output
 from .layer import detach_layer, layer_of
-from .timestep import tracker_of
+from .timestep import follow_timesteps, stop_following_timesteps, tracker_of
 
 __all__ = ["hold_setters", "layer_bound", "unpatch_diffusers", "restore_if_unused", "drop_layer", "put_processor",
            "recorded_replacement", "restored_stock"]
@@ -179,6 +179,9 @@ def _patch_diffusers(ours: type) -> None:
                 served = True
         if served:
             tracker_of(self).reset()  # this processor's statistics start at step 0
+            follow_timesteps([self])  # gated by the timestep this model's forward is called with
+        else:
+            stop_following_timesteps(self)
 
     _WRAPPED.append((AttentionMixin, "set_attn_processor", original_set))
     AttentionMixin.set_attn_processor = set_attn_processor
