@@ -15,6 +15,7 @@ import tiny_models
 from diffusers_trtllm import (
     DenoiseStepCallback,
     QuantConfig,
+    ControlTypeError,
     SkipSoftmaxConfig,
     TrtllmAttnProcessor,
     attach_denoise_tracking,
@@ -193,6 +194,45 @@ def test_mixed_dtypes_refused_on_every_route(backend):
         attention(q, k.half(), v, backend=backend)
     with pytest.raises(ValueError, match="share one floating dtype"):
         attention(q.long(), k.long(), v.long(), backend=backend)
+
+
+# ---- tensor layouts: SDPA's and sageattn's [batch, heads, tokens, dim] by name -----------------------
+
+@pytest.mark.parametrize("backend", ["reference", "sdpa"])
+def test_heads_first_tensors_by_tensor_layout(backend):
+    """``tensor_layout="HND"`` takes and returns ``[batch, heads, tokens, dim]`` (SDPA's layout): the same
+    attention as the default ``"NHD"`` on the transposed tensors, and SDPA's own answer."""
+    q, k, v = (torch.randn(1, 8, 96, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    out = attention(q, k, v, tensor_layout="HND", backend=backend)
+    nhd = attention(*(x.transpose(1, 2) for x in (q, k, v)), backend=backend)
+    assert out.shape == q.shape
+    torch.testing.assert_close(out, nhd.transpose(1, 2))
+    torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, k, v), atol=1e-5, rtol=1e-5)
+    from diffusers_trtllm import run_attention
+
+    _, result = run_attention(q, k, v, tensor_layout="HND", backend="reference", return_lse=True)
+    assert result.lse.shape == (1, 8, 96)
+
+
+@pytest.mark.parametrize("tensor_layout, error", [("BHSD", ValueError), ("nhd", ValueError), (None, ControlTypeError),
+                                                  (2, ControlTypeError)])
+def test_tensor_layout_refuses_what_is_not_a_layout(tensor_layout, error):
+    q, k, v = _qkv()
+    with pytest.raises(error, match=r"^tensor_layout must be 'NHD' \(\[batch, tokens, heads, head_dim\]\) or 'HND'"):
+        attention(q, k, v, tensor_layout=tensor_layout, backend="reference")
+
+
+def test_functional_entry_points_name_their_keywords():
+    """``help(attention)`` shows what it takes: no ``**kwargs`` hides a keyword."""
+    import inspect
+
+    from diffusers_trtllm import run_attention
+
+    for fn in (attention, run_attention):
+        params = inspect.signature(fn).parameters
+        assert "tensor_layout" in params and params["tensor_layout"].default == "NHD"
+        assert not any(p.kind is p.VAR_KEYWORD for p in params.values()), fn.__name__
+    assert set(inspect.signature(attention).parameters) <= set(inspect.signature(run_attention).parameters)
 
 
 def test_functional_scalars_checked():
