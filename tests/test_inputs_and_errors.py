@@ -20,6 +20,7 @@ from diffusers_trtllm import (
     TrtllmAttnProcessor,
     attach_denoise_tracking,
     attention,
+    install,
     load_calibration,
 )
 from diffusers_trtllm.__main__ import parse_args
@@ -233,6 +234,58 @@ def test_functional_entry_points_name_their_keywords():
         assert "tensor_layout" in params and params["tensor_layout"].default == "NHD"
         assert not any(p.kind is p.VAR_KEYWORD for p in params.values()), fn.__name__
     assert set(inspect.signature(attention).parameters) <= set(inspect.signature(run_attention).parameters)
+
+
+# ---- what cannot run is refused before it runs -----------------------------------------------------
+
+@pytest.mark.parametrize("how", ["install", "set_attn_processor"])
+@pytest.mark.parametrize("kwargs, says", [
+    ({"skip_softmax_threshold": 0.2}, "no CPU route for skip-softmax (role 'self')"),
+    ({"quant": "int8", "roles": {"cross": "dense"}}, "no CPU route for SAGE (role 'self')"),
+    ({"roles": {"joint": {"skip_softmax_threshold": 0.2, "quant": "fp8"}}}, "skip-softmax and SAGE (role 'joint')"),
+    ({"backend": "triton"}, "backend='triton' (role 'self') needs CUDA"),
+])
+def test_without_cuda_a_request_no_route_runs_is_refused_at_install(kwargs, says, how, monkeypatch):
+    """No CUDA: ``backend="auto"`` has no CPU route for skip-softmax or SAGE, a GPU route none at all; refused in
+    one line, the fix first, before any layer is served (not at the first call, 75 lines deep)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    model, _ = tiny_models.build("flux")
+    with pytest.raises(RuntimeError) as info:
+        install(model, TrtllmAttnProcessor(**kwargs)) if how == "install" else model.set_attn_processor(
+            TrtllmAttnProcessor(**kwargs))
+    message = str(info.value)
+    assert message.startswith("Pass backend='reference'") and "\n" not in message and says in message, message
+    assert not any(isinstance(p, TrtllmAttnProcessor) for p in model.attn_processors.values())
+
+
+def test_without_cuda_what_runs_on_the_cpu_is_accepted(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for kwargs in ({}, {"skip_softmax_threshold": 0.2, "backend": "reference"}, {"quant": "int8", "fallback": "dense"},
+                   {"skip_softmax_threshold": 0.2, "roles": {r: "dense" for r in ("self", "cross", "joint", "refiner")}}):
+        model, _ = tiny_models.build("flux")
+        install(model, TrtllmAttnProcessor(**kwargs))
+    # Whether CUDA exists decides, not where the model is now: install on the CPU, then .to("cuda"), is a real pattern.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    install(tiny_models.build("flux")[0], TrtllmAttnProcessor(skip_softmax_threshold=0.2, quant="int8"))
+
+
+def test_target_sparsity_without_a_calibration_is_refused_before_any_layer_runs():
+    model, inputs = tiny_models.build("wan_t2v")
+    proc = TrtllmAttnProcessor(target_sparsity=0.5, backend="reference")
+    install(model, proc)  # a calibration may still come: load_calibration after install is the usual order
+    with pytest.raises(ValueError) as info, torch.no_grad():
+        model(**inputs)
+    message = str(info.value)
+    assert message.startswith("Load a calibration with load_calibration(") and "calibrate(pipe" in message
+    assert "\n" not in message and "blocks.0.attn1" in message
+    assert not proc.step_table(), "no layer ran"
+    config = {"sparse_attention_config": {"config_groups": {"group_0": {
+        "algorithm": "skip_softmax", "target_sparsity": 0.5,
+        "threshold_scale_factor": {"formula": "a * exp(b * target_sparsity)", "coefficients": {"a": 2.0, "b": 4.0}}}}}}
+    load_calibration(model, config)
+    with torch.no_grad():
+        model(**inputs)
+    assert proc.step_table()
 
 
 def test_functional_scalars_checked():

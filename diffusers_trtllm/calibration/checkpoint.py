@@ -294,7 +294,7 @@ def load_calibration(target: Any, path_or_dict: Any = None) -> dict[str, dict[st
                                                 source=f"{attr}:{group.name}")
                 counts["calibrated"] += 1
             state.refresh()
-            if state.settings().skip.target_sparsity is not None and state.calibration is None and not state.ignored:
+            if state.needs_calibration:
                 missing.append(f"{attr}.{name}")
         summary[attr] = counts
     if missing:

@@ -39,6 +39,7 @@ def install(target: Any, processor: TrtllmAttnProcessor) -> Any:
     """
     if not isinstance(processor, TrtllmAttnProcessor):
         raise TypeError(f"install() takes a TrtllmAttnProcessor; got {type(processor).__name__}.")
+    processor._check_machine()
     tracker = None
     served = 0
     roots = list(target_modules(target).values())

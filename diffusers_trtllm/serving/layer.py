@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from .processor import Settings, TrtllmAttnProcessor
     from .timestep import TimestepTracker
 
-__all__ = ["LayerState", "Calibration", "LAYER_ATTR", "layer_of", "attach_layer", "detach_layer"]
+__all__ = ["LayerState", "Calibration", "LAYER_ATTR", "layer_of", "attach_layer", "detach_layer", "check_calibrated"]
 
 #: The attribute of an attention module that holds its ``LayerState`` (only this module spells it).
 LAYER_ATTR = "_trtllm_layer"
@@ -48,6 +48,18 @@ def attach_layer(module: torch.nn.Module, state: "LayerState") -> None:
 def detach_layer(module: torch.nn.Module) -> "LayerState | None":
     """Take the state off ``module`` (returned, or None when it had none)."""
     return module.__dict__.pop(LAYER_ATTR, None)
+
+
+def check_calibrated(model: torch.nn.Module) -> None:
+    """Refuse, before any layer of ``model`` runs, a ``target_sparsity`` that no calibration backs (one line)."""
+    missing = [state.label for m in model.modules() if (state := layer_of(m)) is not None and state.needs_calibration]
+    if missing:
+        shown = missing[0] + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
+        raise ValueError(
+            f"Load a calibration with load_calibration(pipe, path_or_repo), make one with calibrate(pipe, prompts), "
+            f"or pass skip_softmax_threshold instead: target_sparsity has no calibration for {shown} of "
+            f"{type(model).__name__}."
+        )
 
 
 @dataclass(frozen=True)
@@ -165,6 +177,11 @@ class LayerState:
         if self._settings is None:
             self._settings = self.processor._settings_for(self)
         return self._settings
+
+    @property
+    def needs_calibration(self) -> bool:
+        """Whether this layer asks for ``target_sparsity`` and no calibration curve (nor ``ignore``) backs it."""
+        return self.settings().skip.target_sparsity is not None and self.calibration is None and not self.ignored
 
     def refresh(self) -> None:
         """Forget cached settings after the processor, role or calibration changed."""

@@ -32,7 +32,7 @@ import torch
 
 from .. import stats
 from ..attention import check_route_choice
-from ..config import ControlTypeError, QuantConfig, SkipSoftmaxConfig, check_mapping, unknown_keys_message
+from ..config import CPU_ROUTES, ControlTypeError, QuantConfig, SkipSoftmaxConfig, check_mapping, unknown_keys_message
 from ..layout import LayoutCache
 from ..routing.policy import POLICIES
 from ..stats import StepRecord
@@ -177,6 +177,28 @@ class TrtllmAttnProcessor:
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self._init_runtime()
+
+    def _check_machine(self) -> None:
+        """Refuse, before any layer is served, settings no route of this machine can run: without CUDA only the
+        CPU routes run, and ``backend="auto"`` never picks ``reference`` (the oracle), so skip-softmax or SAGE
+        would fail at the first call. Decided by whether CUDA is available at all, not by where the model is
+        now (``install`` then ``.to("cuda")`` is fine)."""
+        if torch.cuda.is_available():
+            return
+        for role in ROLES:
+            s = self._role_settings[role]
+            if s.mode != "trtllm":
+                continue
+            if s.backend not in ("auto", *CPU_ROUTES):
+                raise RuntimeError(
+                    f"Pass backend='reference' (or 'sdpa' for dense attention) or run on a CUDA GPU: "
+                    f"backend={s.backend!r} (role {role!r}) needs CUDA, and this machine has none.")
+            wanted = [name for name, on in (("skip-softmax", s.skip.configured), ("SAGE", s.quant is not None)) if on]
+            if s.backend == "auto" and wanted and s.fallback != "dense":
+                raise RuntimeError(
+                    f"Pass backend='reference' (the kernels' PyTorch oracle: right answers, no speed) or run on a "
+                    f"CUDA GPU: this machine has no CUDA, and backend='auto' has no CPU route for "
+                    f"{' and '.join(wanted)} (role {role!r}).")
 
     # ---- what a layer asks of its processor ------------------------------------------------------
     def _adopt(self, state: LayerState) -> None:

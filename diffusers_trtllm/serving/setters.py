@@ -136,6 +136,8 @@ def _patch_diffusers(ours: type) -> None:
 
         @functools.wraps(original)
         def set_processor(self, processor, _original=original):
+            if isinstance(processor, ours):
+                processor._check_machine()  # before the layer changes hands
             replaced = getattr(self, "processor", None)
             if isinstance(replaced, ours) and layer_of(self) is not None and _is_fused(self, processor):
                 # fuse_qkv_projections() after install: the fused processor does this layer's projections

@@ -42,7 +42,7 @@ import torch
 from diffusers.callbacks import PipelineCallback
 
 from ..config import ControlTypeError
-from .layer import layer_of
+from .layer import check_calibrated, layer_of
 from .modules import denoisers, target_modules, uncompiled
 
 __all__ = [
@@ -295,8 +295,10 @@ def tracker_of(transformer: torch.nn.Module, shared: TimestepTracker | None = No
 
 class TimestepHook:
     """A forward pre-hook of the transformer (torch's, with keywords): hands each forward's ``timestep`` to the
-    transformer's tracker before the forward runs. ``automatic``: put on by installing our processor (then
-    replaced by ``attach_denoise_tracking``, and taken off with the processor), else by the user."""
+    transformer's tracker before the forward runs, and refuses there, before any layer runs, a
+    ``target_sparsity`` no calibration backs (eager forwards; a compiled one fails at its first layer).
+    ``automatic``: put on by installing our processor (then replaced by ``attach_denoise_tracking``, and taken
+    off with the processor), else by the user."""
 
     def __init__(self, tracker: TimestepTracker, param: tuple[str, int] | None, automatic: bool) -> None:
         self.tracker = tracker
@@ -305,6 +307,8 @@ class TimestepHook:
         self.handle: Any = None
 
     def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        if not torch.compiler.is_compiling():
+            check_calibrated(module)
         timestep = None
         if self.param is not None:
             name, index = self.param
