@@ -43,6 +43,21 @@ def test_processor_public_surface_is_the_users():
     assert user <= public <= user | hub, sorted(public - user - hub)
 
 
+def test_repr_says_what_the_parameter_table_says():
+    assert repr(TrtllmAttnProcessor()) == ("TrtllmAttnProcessor(skip_softmax_threshold=None, target_sparsity=None, "
+                                           "disabled_until_timestep=None, quant=None, backend='auto', layers=0)")
+    text = repr(TrtllmAttnProcessor(skip_softmax_threshold=0.2, disabled_until_timestep=0.9, quant="int8",
+                                    roles={"cross": "dense"}, fused_rotary=False))
+    assert text == ("TrtllmAttnProcessor(skip_softmax_threshold=0.2, target_sparsity=None, disabled_until_timestep=0.9, "
+                    "quant='int8', backend='auto', roles={'cross': 'dense'}, fused_rotary=False, layers=0)")
+
+
+@pytest.mark.parametrize("value", ["no", 0, None])
+def test_fused_rotary_takes_a_bool_only(value):
+    with pytest.raises(ControlTypeError, match="fused_rotary must be True or False"):
+        TrtllmAttnProcessor(fused_rotary=value)
+
+
 def test_processor_accepts_a_dtype_name_for_quant():
     for quant in ("int8", torch.int8, {"dtype_qk": "INT8"}):
         assert TrtllmAttnProcessor(quant=quant)._role_settings["self"].quant == QuantConfig("int8")

@@ -262,6 +262,19 @@ def test_ltx_forward_is_stocks_bit_for_bit_with_our_rotation(monkeypatch):
     assert len(seen) == len(model.transformer_blocks)  # self-attention; cross-attention gets no rotary argument
 
 
+@pytest.mark.parametrize("family", ["wan_t2v", "flux", "flux2", "hunyuanvideo", "qwenimage", "cogvideox", "ltx"])
+def test_fused_rotary_off_keeps_the_familys_own_rotation(family, monkeypatch):
+    """``fused_rotary=False``: no rotation of ours; the family's processors turn Q and K, and the output is stock's."""
+    seen = _count_rotations(monkeypatch)
+    model, inputs = tiny_models.build(family)
+    with torch.no_grad():
+        stock = model(**inputs)[0]
+        install(model, TrtllmAttnProcessor(fused_rotary=False))
+        ours = model(**inputs)[0]
+    assert torch.equal(ours, stock)
+    assert not seen and all(layer_of(m).rotary is None for m in model.modules() if layer_of(m) is not None)
+
+
 def test_qwenimage_tables_of_another_length_are_refused():
     table = torch.polar(torch.ones(5, 8), torch.randn(5, 8))
     q = torch.zeros(1, 9, 2, 16)

@@ -157,7 +157,7 @@ class LayerState:
         self.mask_params = tuple((i, p) for i, p in enumerate(params) if "mask" in p)
         self.hidden_index = params.index("hidden_states") if "hidden_states" in params else (0 if params else None)
         self.encoder_index = params.index("encoder_hidden_states") if "encoder_hidden_states" in params else None
-        self.rotary = deferred_rotary(stock, params)
+        self.rotary = deferred_rotary(stock, params) if self.processor._fused_rotary else None
 
     def take_over(self, previous: "LayerState") -> None:
         """Carry what belongs to the module, not to a processor, from the state that served it until now:

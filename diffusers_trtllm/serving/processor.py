@@ -109,6 +109,8 @@ class TrtllmAttnProcessor:
     ``policy="auto"`` runs a call dense where its skip/SAGE request cannot pay off (measured
     rules, :mod:`diffusers_trtllm.routing.policy`); what a role override sets explicitly (a skip control,
     ``quant``), or everything under ``policy="always"``, is honoured on every call.
+    ``fused_rotary``: the family's rotary embedding (Wan, Flux, Flux.2, HunyuanVideo, LTX-Video, Qwen-Image,
+    CogVideoX) runs as one launch of ours with the same values (True), or as the family's own code (False).
     """
 
     #: Called as ``observer(layer, t, layout, query, key, scale)`` before each served call (``calibrate``'s pass).
@@ -125,6 +127,7 @@ class TrtllmAttnProcessor:
         roles: Mapping[str, Any] | None = None,
         collect_stats: bool = False,
         policy: str = "auto",
+        fused_rotary: bool = True,
     ) -> None:
         base = {
             "skip_softmax_threshold": skip_softmax_threshold,
@@ -145,12 +148,14 @@ class TrtllmAttnProcessor:
         defaults = {"backend": "auto", "policy": "auto"}
         given = {k for k, v in base.items() if v is not None and v != defaults.get(k)}
         self._explicit = {role: given | set(roles[role] if isinstance(roles.get(role), Mapping) else ()) for role in ROLES}
-        self._built_without_arguments = not given and not roles and not collect_stats
+        self._built_without_arguments = not given and not roles and not collect_stats and fused_rotary is True
         self.roles = roles
-        if not isinstance(collect_stats, bool):  # bool("no") would turn the counting on
-            raise ControlTypeError(f"collect_stats must be True or False; got {collect_stats!r:.60} "
-                                   f"({type(collect_stats).__name__}).")
+        for name, flag in (("collect_stats", collect_stats), ("fused_rotary", fused_rotary)):
+            if not isinstance(flag, bool):  # bool("no") would turn it on
+                raise ControlTypeError(f"{name} must be True or False; got {flag!r:.60} ({type(flag).__name__}).")
         self.collect_stats = collect_stats
+        #: Whether the family's rotary embedding runs as our one launch (``serving.rotary``) or as its own code.
+        self._fused_rotary = fused_rotary
         self._init_runtime()
         #: A normalized t published with ``set_timestep`` (for layers outside any tracked transformer).
         self._t_value: float | None = None
@@ -401,10 +406,16 @@ class TrtllmAttnProcessor:
         return stats.plot(self._recorded_layers(), path, title)
 
     def __repr__(self) -> str:
-        s, q = self._role_settings["self"], self._role_settings["self"].quant
-        return (f"TrtllmAttnProcessor(skip_softmax_threshold={s.skip.threshold}, target_sparsity={s.skip.target_sparsity}, "
-                f"disabled_until_timestep={s.skip.disabled_until_timestep}, quant={q.dtype_qk if q else None}, "
-                f"backend={s.backend!r}, layers={len(self._layers)})")
+        """The controls in the parameter table's terms (an unset gate is None, as the table says), the others where
+        they differ from their defaults, and how many layers it serves."""
+        s = self._role_settings["self"]
+        shown = {"skip_softmax_threshold": s.skip.threshold, "target_sparsity": s.skip.target_sparsity,
+                 "disabled_until_timestep": s.skip.disabled_until_timestep or None,
+                 "quant": s.quant.dtype_qk if s.quant else None, "backend": s.backend}
+        others = {"fallback": (s.fallback, None), "roles": (self.roles or None, None), "policy": (s.policy, "auto"),
+                  "collect_stats": (self.collect_stats, False), "fused_rotary": (self._fused_rotary, True)}
+        shown.update({name: value for name, (value, default) in others.items() if value != default})
+        return f"TrtllmAttnProcessor({', '.join(f'{k}={v!r}' for k, v in shown.items())}, layers={len(self._layers)})"
 
 
 def _forward_attr(stock: Any, name: str, value: Any) -> None:
