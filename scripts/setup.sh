@@ -25,7 +25,9 @@ fi
 step 2 "pip"
 .venv/bin/python -m pip install -q --upgrade pip
 if [ -z "${TORCH_VERSION:-}" ] && has_torch .venv/bin/python; then
-    step 3 "torch: keeping the installed $(describe_torch) (TORCH_VERSION=$TORCH_PIN for the pinned one)"
+    step 3 "torch: keeping the installed $(describe_torch)"
+    .venv/bin/python -c "import torch; raise SystemExit(torch.__version__.split('+')[0] != '$TORCH_PIN')" \
+        || echo "    (CI runs $TORCH_PIN: TORCH_VERSION=$TORCH_PIN bash scripts/setup.sh installs it)"
 else
     TORCH="torch==${TORCH_VERSION:-$TORCH_PIN}"
     TORCH_INDEX=()
