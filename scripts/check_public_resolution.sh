@@ -21,8 +21,9 @@ trap 'rm -f "$report" "$log"' EXIT
 if ! PIP_CONFIG_FILE=/dev/null "$PY" -m pip install --isolated --dry-run --ignore-installed ${FAST[@]+"${FAST[@]}"} \
         --index-url "$INDEX" --report "$report" "torch==$TORCH_PIN" -e ".[test]" >"$log" 2>&1; then
     tail -n 25 "$log" >&2
-    echo "FAILED: setup.sh's requirements do not resolve against $INDEX alone, so 'bash scripts/setup.sh' fails" >&2
-    echo "on a machine whose pip sees only the public index: loosen the range pip names above (pyproject.toml)." >&2
+    echo "FAILED: pip could not resolve setup.sh's requirements against $INDEX alone (above: a conflict, or no" >&2
+    echo "access to the index). A conflict means 'bash scripts/setup.sh' fails on a machine whose pip sees only" >&2
+    echo "the public index: loosen the range pip names above (pyproject.toml)." >&2
     exit 1
 fi
 "$PY" - "$report" <<'PY'
