@@ -33,6 +33,7 @@ from typing import Any, Callable, NoReturn
 # arguments are known to be good (``python -m diffusers_trtllm --help`` answers in well under 2 s).
 from .config import CPU_ROUTES, GROUP_BY, POLICIES, ROUTE_NAMES, SkipSoftmaxConfig, check_fit_range
 from .demo import DEMO_MAX_SIZE, DEMO_SIZE
+from .machine import cuda_device_count
 
 PROG = "python -m diffusers_trtllm"
 #: Defaults the README quotes; ``--help`` shows them.
@@ -282,6 +283,13 @@ def _check_offline_size(p: argparse.ArgumentParser, args: argparse.Namespace) ->
                     f"grows with the square of the token count); got {value}")
 
 
+def _check_gpu(p: argparse.ArgumentParser) -> None:
+    """``--model`` runs on a CUDA GPU: refused in the argument check where the driver shows none."""
+    if not cuda_device_count():
+        p.error("argument --model: run on a machine with a CUDA GPU, or drop --model for the offline CPU demo: "
+                "this machine has none")
+
+
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=_checked(int, lambda v: None), default=0, help="random seed")
     p.add_argument("--debug", action="store_true", help="show the traceback of an error, not just its line")
@@ -352,6 +360,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     why = _writable_directory(args.out)
     if why:
         p.error(f"argument --out: cannot write the images to {args.out!r}: {why}; pass a writable directory")
+    if args.model:
+        _check_gpu(p)  # last: every value is checked on a machine without a GPU too
     return args
 
 
@@ -402,6 +412,8 @@ def parse_calibrate_args(argv: list[str]) -> argparse.Namespace:
     why = _writable_directory(args.out if os.path.isdir(args.out) else os.path.dirname(os.path.abspath(args.out)))
     if why:
         p.error(f"argument --out: cannot write the calibration to {args.out!r}: {why}; pass a writable path")
+    if args.model:
+        _check_gpu(p)  # last: every value is checked on a machine without a GPU too
     if args.steps is None:
         args.steps = 28 if args.model else 8
     return args

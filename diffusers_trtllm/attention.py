@@ -15,9 +15,12 @@ from .layout import LayoutCache, PackedLayout, key_padding_mask
 from .routing import AttentionCall, AttentionResult, NoRouteError, get_route, select_route
 from .routing.policy import apply_policy
 
-__all__ = ["attention", "run_attention", "check_tensors", "resolve_skip_factor", "resolve_quant", "build_layout", "check_route_choice"]
+__all__ = ["attention", "run_attention", "check_tensors", "check_tensor_layout", "resolve_skip_factor", "resolve_quant",
+           "build_layout", "check_route_choice", "TENSOR_LAYOUTS"]
 
 FALLBACKS = (None, "dense")
+#: ``tensor_layout`` names (SageAttention's): the order of Q, K, V's (and the output's) dimensions.
+TENSOR_LAYOUTS = {"NHD": "[batch, tokens, heads, head_dim]", "HND": "[batch, heads, tokens, head_dim]"}
 #: The step table's note on a dense call that ran the caller's own SDPA call (``run_attention``'s ``stock``).
 STOCK_SDPA_NOTE = "dense on the family's own SDPA call"
 
@@ -49,8 +52,9 @@ def resolve_skip_factor(
         warn_once(
             ("no-timestep",),
             "skip-softmax: disabled_until_timestep=%s is set but no denoising timestep is known (first seen on "
-            "attention role %r), so attention stays dense. Publish it with DenoiseStepCallback (pipe(..., "
-            "callback_on_step_end=DenoiseStepCallback(proc))) or attach_denoise_tracking(pipe, proc).",
+            "attention role %r), so attention stays dense. Install the processor on the transformer "
+            "(transformer.set_attn_processor(proc) or install(pipe, proc): its timestep is read every step), or "
+            "publish t yourself: proc.set_timestep(t) or attach_denoise_tracking(pipe, proc) in a custom loop.",
             skip.disabled_until_timestep,
             role,
         )
@@ -114,16 +118,26 @@ def _check_layout(layout: PackedLayout, query: torch.Tensor, key: torch.Tensor) 
             )
 
 
-def check_tensors(query: Any, key: Any, value: Any) -> None:
-    """Q, K, V must be ``[batch, tokens, heads, head_dim]`` tensors of one floating dtype on one device."""
+def check_tensor_layout(tensor_layout: Any) -> None:
+    """``tensor_layout`` must name one of :data:`TENSOR_LAYOUTS`."""
+    if not isinstance(tensor_layout, str) or tensor_layout not in TENSOR_LAYOUTS:
+        error = ValueError if isinstance(tensor_layout, str) else ControlTypeError
+        raise error(f"tensor_layout must be 'NHD' ({TENSOR_LAYOUTS['NHD']}) or 'HND' ({TENSOR_LAYOUTS['HND']}, "
+                    f"SDPA's and sageattn's); got {tensor_layout!r:.60}.")
+
+
+def check_tensors(query: Any, key: Any, value: Any, tensor_layout: str = "NHD") -> None:
+    """Q, K, V must be 4-d tensors of one floating dtype on one device that agree in ``tensor_layout``."""
     for name, x in (("query", query), ("key", key), ("value", value)):
         if not isinstance(x, torch.Tensor):
             raise ControlTypeError(f"{name} must be a torch.Tensor; got {type(x).__name__}.")
     if query.ndim != 4 or key.ndim != 4 or value.ndim != 4:
         raise ValueError(
-            "query, key and value must be [batch, tokens, heads, head_dim]; got shapes "
+            f"query, key and value must be {TENSOR_LAYOUTS[tensor_layout]} (tensor_layout={tensor_layout!r}); got shapes "
             f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}."
         )
+    if tensor_layout == "HND":
+        query, key, value = (x.transpose(1, 2) for x in (query, key, value))
     if not (query.dtype == key.dtype == value.dtype) or not query.is_floating_point():
         raise ValueError(
             f"query, key and value must share one floating dtype (float16, bfloat16 or float32); got "
@@ -133,11 +147,17 @@ def check_tensors(query: Any, key: Any, value: Any) -> None:
         raise ValueError(f"query, key and value must be on one device; got {query.device}, {key.device}, {value.device}.")
     if key.shape[:3] != value.shape[:3] or query.shape[0] != key.shape[0] or query.shape[-1] != key.shape[-1]:
         raise ValueError(
-            f"query {tuple(query.shape)}, key {tuple(key.shape)} and value {tuple(value.shape)} do not agree "
-            "(same batch; key and value same tokens and heads; query and key same head_dim)."
+            f"query, key and value of shapes {_shapes(tensor_layout, query, key, value)} do not agree in "
+            f"{TENSOR_LAYOUTS[tensor_layout]} (same batch; key and value same tokens and heads; query and key same "
+            "head_dim)."
         )
     if query.shape[2] % key.shape[2]:
         raise ValueError(f"query heads ({query.shape[2]}) must be a multiple of key heads ({key.shape[2]}).")
+
+
+def _shapes(tensor_layout: str, *tensors: torch.Tensor) -> str:
+    """The tensors' shapes as the caller passed them (``check_tensors`` reads ``HND`` ones transposed)."""
+    return ", ".join(str(tuple(x.transpose(1, 2).shape if tensor_layout == "HND" else x.shape)) for x in tensors)
 
 
 def _check_scalars(softmax_scale: Any, timestep: Any) -> None:
@@ -158,6 +178,7 @@ def run_attention(
     key: torch.Tensor,
     value: torch.Tensor,
     *,
+    tensor_layout: str = "NHD",
     attn_mask: torch.Tensor | None = None,
     layout: PackedLayout | None = None,
     softmax_scale: float | None = None,
@@ -175,7 +196,8 @@ def run_attention(
     kv_shards: int = 1,
     stock: Callable[[], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, AttentionResult]:
-    """Attention over ``[batch, tokens, heads, dim]`` tensors; returns the output and the route's result.
+    """Attention over ``[batch, tokens, heads, dim]`` tensors (``tensor_layout="NHD"``) or ``[batch, heads, tokens,
+    dim]`` ones (``"HND"``, SDPA's and ``sageattn``'s); returns the output, in the same layout, and the route's result.
 
     ``policy="auto"`` runs dense where skip-softmax or SAGE cannot pay off on this call
     (``routing.policy.apply_policy``: measured rules, CUDA only); ``"always"`` honours the request, and
@@ -187,10 +209,16 @@ def run_attention(
     ``kv_shards``: the keys are one of that many equal KV shards of the sequence (ring attention).
     ``stock``: the caller's own attention for these inputs (the processor's: the family's stock call). A dense
     call that would run on ``sdpa`` runs it instead, so where no faster dense kernel can run (no FlashInfer
-    JIT) the call is exactly what stock Diffusers makes, never slower.
+    JIT) the call is exactly what stock Diffusers makes, never slower; it returns the output in ``tensor_layout``.
+    ``attn_mask`` and ``layout`` do not depend on ``tensor_layout``; ``result.lse`` follows it (``[batch, heads,
+    q_tokens]`` for ``"HND"``).
     """
     check_route_choice(backend, fallback)
-    check_tensors(query, key, value)
+    check_tensor_layout(tensor_layout)
+    check_tensors(query, key, value, tensor_layout)
+    heads_first = tensor_layout == "HND"
+    if heads_first:
+        query, key, value = (x.transpose(1, 2) for x in (query, key, value))
     _check_scalars(softmax_scale, timestep)
     skip = SkipSoftmaxConfig.coerce(skip)
     quant = QuantConfig.coerce(quant)
@@ -243,7 +271,9 @@ def run_attention(
     result.sparse, result.sage, result.note = call.skip_factor is not None, call.quant is not None, decision.note
     if result.lse is not None:
         result.lse = layout.unpack_q(result.lse[..., None])[..., 0]
-    return layout.unpack_q(result.out), result
+        result.lse = result.lse.transpose(1, 2) if heads_first else result.lse
+    out = layout.unpack_q(result.out)
+    return (out.transpose(1, 2) if heads_first else out), result
 
 
 def _why_not(err: NoRouteError) -> str:
@@ -253,6 +283,26 @@ def _why_not(err: NoRouteError) -> str:
     return "; ".join(f"{name}: {r[0]}" for name, r in offering.items()) or "no route offers it"
 
 
-def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs) -> torch.Tensor:
-    """``run_attention`` returning only the ``[batch, q_tokens, heads, head_dim]`` output."""
-    return run_attention(query, key, value, **kwargs)[0]
+def attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    tensor_layout: str = "NHD",
+    attn_mask: torch.Tensor | None = None,
+    layout: PackedLayout | None = None,
+    softmax_scale: float | None = None,
+    skip: SkipSoftmaxConfig | Mapping[str, Any] | float | None = None,
+    quant: QuantConfig | Mapping[str, Any] | str | None = None,
+    timestep: float | None = None,
+    backend: str = "auto",
+    fallback: str | None = None,
+    collect_stats: bool = False,
+    policy: str = "auto",
+) -> torch.Tensor:
+    """Attention of ``query``, ``key``, ``value`` in ``tensor_layout`` (``"NHD"``: ``[batch, tokens, heads, head_dim]``;
+    ``"HND"``: ``[batch, heads, tokens, head_dim]``, SDPA's and ``sageattn``'s); the output is in the same layout.
+    The other keywords are :func:`run_attention`'s, which also returns the route's result."""
+    return run_attention(query, key, value, tensor_layout=tensor_layout, attn_mask=attn_mask, layout=layout,
+                         softmax_scale=softmax_scale, skip=skip, quant=quant, timestep=timestep, backend=backend,
+                         fallback=fallback, collect_stats=collect_stats, policy=policy)[0]

@@ -260,11 +260,12 @@ def make_card(pipe: Any, proc: Any, prompts: list[str], inputs: list[dict], out:
     images = _side_by_side(runs, prompts, per_prompt, out, offline)
     heatmap = proc.plot(os.path.join(out, "sparsity.png"), title="skipped-tile fraction, this setting")
     proc.save_pretrained(out)
+    quant = proc._role_settings["self"].quant
     card_data = ModelCardData(
         library_name="diffusers-trtllm", base_model=model_id, license=license,
         pipeline_tag="text-to-video" if runs.video else "text-to-image",
         tags=["diffusers", "diffusers-trtllm", "attention", "skip-softmax", "sparse-attention"]
-        + (["sage-attention", "quantization"] if proc.quant is not None else []) + (["tiny-random"] if offline else []),
+        + (["sage-attention", "quantization"] if quant is not None else []) + (["tiny-random"] if offline else []),
     )
     with open(os.path.join(out, SETTING_FILE), encoding="utf-8") as f:
         written = json.load(f)  # what the card describes is what was saved
@@ -285,7 +286,7 @@ def make_card(pipe: Any, proc: Any, prompts: list[str], inputs: list[dict], out:
                    f'pipe = DiffusionPipeline.from_pretrained("{model_id}", torch_dtype=torch.bfloat16).to("cuda")'),
         frame_note="first frame of each video, " if runs.video else "",
         base_model_link=f"{repository}/blob/main/diffusers_trtllm/demo.py" if offline else f"https://huggingface.co/{model_id}",
-        repository=repository, quant=proc.quant.dtype_qk if proc.quant is not None else None,
+        repository=repository, quant=quant.dtype_qk if quant is not None else None,
         setting_file=SETTING_FILE, model_class=", ".join(sorted({s["model_class"] for s in layers.values()})) or
         type(pipe).__name__, num_layers=sum(len(s["layers"]) for s in layers.values()),
         noise_note=NOISE_NOTE if offline else None, repo_id=repo_id or f"YOUR_NAME/{os.path.basename(os.path.abspath(out))}",

@@ -230,7 +230,7 @@ def setting_sources(state: Any) -> dict[str, str]:
     """Where each of a layer's settings came from: ``user``, ``user (roles)``, ``checkpoint ...`` or ``default``."""
     proc = state.processor
     role_override = proc.roles.get(state.role) if isinstance(proc.roles, dict) else None
-    explicit = proc.explicit_settings(state.role)
+    explicit = proc._explicit_settings(state.role)
 
     def by_user(key: str) -> str:
         if isinstance(role_override, str):

@@ -68,7 +68,7 @@ def test_prefill_spelling_log_a_formula_and_user_target(tmp_path):
     path = tmp_path / "calib.json"
     path.write_text(json.dumps(config))
     model, _ = tiny_models.build("wan_t2v")
-    proc = TrtllmAttnProcessor(target_sparsity=0.5, disabled_until_timestep=0.8)
+    proc = TrtllmAttnProcessor(target_sparsity=0.5, disabled_until_timestep=0.8, backend="reference")
     model.set_attn_processor(proc)
     load_calibration(model, path)
     skip = layer_of(model.blocks[1].attn1).settings().skip
@@ -112,7 +112,7 @@ def test_malformed_configs_raise(config, message):
 
 def test_target_sparsity_without_a_curve_says_what_to_do():
     model, _ = tiny_models.build("wan_t2v")
-    model.set_attn_processor(TrtllmAttnProcessor(target_sparsity=0.5))
+    model.set_attn_processor(TrtllmAttnProcessor(target_sparsity=0.5, backend="reference"))
     config = _group(ignore=[], targets=["blocks.0.*"])
     with pytest.raises(ValueError, match="no calibration curve covers transformer.blocks.1.attn1.*skip_softmax_threshold"):
         load_calibration(model, config)

@@ -16,6 +16,7 @@ from diffusers_trtllm.calibration.fit import LayerStepSparsity, fit_groups
 from diffusers_trtllm.locality import make_attention_local
 from diffusers_trtllm.demo import build_demo_pipeline, install
 from diffusers_trtllm.serving.layer import layer_of
+from diffusers_trtllm.serving.timestep import tracking_hook
 
 STEPS = 6
 
@@ -166,7 +167,7 @@ def test_calibrate_restores_the_users_processor_and_tracking(demo):
     embeds = {k: inputs[k] for k in ("prompt_embeds", "pooled_prompt_embeds")}
     calibrate(pipe, [embeds], steps=2, height=inputs["height"], width=inputs["width"], fit_range=(0.05, 0.95))
     assert all(p is proc for p in pipe.transformer.attn_processors.values())
-    assert pipe.transformer._diffusers_hook.get_hook("diffusers_trtllm.denoise_tracking") is not None
+    assert tracking_hook(pipe.transformer) is not None
 
 
 def test_what_we_write_reads_back_without_warnings(demo, tmp_path, caplog):

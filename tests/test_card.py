@@ -50,7 +50,7 @@ def test_card_writes_a_folder_the_hub_reads(tmp_path, prompts, monkeypatch):
     for name in ("images/prompt_0.png", "images/prompt_1.png", "sparsity.png", SETTING_FILE):
         assert (out / name).is_file() and (out / name).stat().st_size < 100_000
     proc = TrtllmAttnProcessor.from_pretrained(out)
-    assert proc.quant.dtype_qk == "int8" and proc.skip.target_sparsity == 0.5
+    assert proc._role_settings["self"].quant.dtype_qk == "int8" and proc._role_settings["self"].skip.target_sparsity == 0.5
     assert json.loads((out / SETTING_FILE).read_text())["calibration"]["transformer"]["model_class"] == \
         "FluxTransformer2DModel"
     (upload,) = uploads

@@ -84,12 +84,38 @@ def test_a_calibration_file_of_the_wrong_schema_is_refused(content, tmp_path, ca
     assert "--calibration" in _refused(["--target-sparsity", "0.3", "--calibration", str(path)], capsys)
 
 
-def test_an_error_while_running_is_one_line_unless_debug(capsys):
+def test_an_error_while_running_is_one_line_unless_debug(monkeypatch, tmp_path):
+    import diffusers_trtllm.__main__ as cli
+
+    def demo(args):
+        raise RuntimeError("the run failed\nwith a second line")
+
+    monkeypatch.setattr(cli, "run_demo", demo)
     with pytest.raises(SystemExit) as exit_info:
-        main(["--model", "some/model", "--out", "outputs"])  # the CPU has no CUDA
-    assert exit_info.value.code != 0 and "CUDA GPU" in str(exit_info.value) and "--debug" in str(exit_info.value)
-    with pytest.raises(RuntimeError, match="CUDA GPU"):
-        main(["--model", "some/model", "--debug"])
+        main(["--out", str(tmp_path)])
+    assert str(exit_info.value).count("\n") == 0 and "the run failed" in str(exit_info.value)
+    assert "--debug" in str(exit_info.value)
+    with pytest.raises(RuntimeError, match="the run failed"):
+        main(["--out", str(tmp_path), "--debug"])
+
+
+@pytest.mark.parametrize("argv", [["--model", "some/model"], ["calibrate", "--model", "m", "--prompts", "README.md"]])
+def test_model_without_a_cuda_gpu_is_refused_in_the_argument_check(argv, monkeypatch, capsys, no_model):
+    import diffusers_trtllm.__main__ as cli
+
+    monkeypatch.setattr(cli, "cuda_device_count", lambda: 0)
+    err = _refused(argv, capsys)
+    assert "argument --model: run on a machine with a CUDA GPU, or drop --model" in err
+
+
+def test_model_without_a_cuda_gpu_answers_before_torch_is_imported():
+    """The driver is asked with ctypes: no torch or Diffusers import (10-13 s on a 2-core machine) comes first."""
+    child = ("import sys\nfrom diffusers_trtllm.__main__ import main\ntry:\n    main(['--model', 'some/model'])\n"
+             "except SystemExit as e:\n    print(e.code, 'torch' in sys.modules, 'diffusers' in sys.modules)")
+    run = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=60, cwd=ROOT,
+                         env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+    assert run.stdout.split() == ["2", "False", "False"], run.stdout + run.stderr
+    assert "CUDA GPU" in run.stderr
 
 
 def test_no_route_error_while_running_keeps_its_reasons_on_its_one_line(monkeypatch, capsys, tmp_path):

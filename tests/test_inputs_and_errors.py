@@ -15,10 +15,12 @@ import tiny_models
 from diffusers_trtllm import (
     DenoiseStepCallback,
     QuantConfig,
+    ControlTypeError,
     SkipSoftmaxConfig,
     TrtllmAttnProcessor,
     attach_denoise_tracking,
     attention,
+    install,
     load_calibration,
 )
 from diffusers_trtllm.__main__ import parse_args
@@ -31,10 +33,35 @@ def _qkv(dtype=torch.float32, seed=0):
 
 # ---- row 1: processor controls ---------------------------------------------------------------------
 
+def test_processor_public_surface_is_the_users():
+    """``help(TrtllmAttnProcessor)`` lists what a user calls; what layers and setters use is underscored."""
+    public = {name for name in dir(TrtllmAttnProcessor) if not name.startswith("_")}
+    public |= {name for name in vars(TrtllmAttnProcessor()) if not name.startswith("_")}
+    user = {"set_timestep", "step_table", "format_step_table", "summary", "layer_step_rows", "plot", "reset_stats",
+            "layers", "roles", "collect_stats"}
+    hub = {"save_pretrained", "from_pretrained", "push_to_hub"}  # issue 56's, where it has landed
+    assert user <= public <= user | hub, sorted(public - user - hub)
+
+
+def test_repr_says_what_the_parameter_table_says():
+    assert repr(TrtllmAttnProcessor()) == ("TrtllmAttnProcessor(skip_softmax_threshold=None, target_sparsity=None, "
+                                           "disabled_until_timestep=None, quant=None, backend='auto', layers=0)")
+    text = repr(TrtllmAttnProcessor(skip_softmax_threshold=0.2, disabled_until_timestep=0.9, quant="int8",
+                                    roles={"cross": "dense"}, fused_rotary=False))
+    assert text == ("TrtllmAttnProcessor(skip_softmax_threshold=0.2, target_sparsity=None, disabled_until_timestep=0.9, "
+                    "quant='int8', backend='auto', roles={'cross': 'dense'}, fused_rotary=False, layers=0)")
+
+
+@pytest.mark.parametrize("value", ["no", 0, None])
+def test_fused_rotary_takes_a_bool_only(value):
+    with pytest.raises(ControlTypeError, match="fused_rotary must be True or False"):
+        TrtllmAttnProcessor(fused_rotary=value)
+
+
 def test_processor_accepts_a_dtype_name_for_quant():
     for quant in ("int8", torch.int8, {"dtype_qk": "INT8"}):
-        assert TrtllmAttnProcessor(quant=quant).quant == QuantConfig("int8")
-    assert TrtllmAttnProcessor(quant="fp8").quant.dtype_qk == "fp8_e4m3"
+        assert TrtllmAttnProcessor(quant=quant)._role_settings["self"].quant == QuantConfig("int8")
+    assert TrtllmAttnProcessor(quant="fp8")._role_settings["self"].quant.dtype_qk == "fp8_e4m3"
 
 
 @pytest.mark.parametrize(
@@ -185,6 +212,97 @@ def test_mixed_dtypes_refused_on_every_route(backend):
         attention(q.long(), k.long(), v.long(), backend=backend)
 
 
+# ---- tensor layouts: SDPA's and sageattn's [batch, heads, tokens, dim] by name -----------------------
+
+@pytest.mark.parametrize("backend", ["reference", "sdpa"])
+def test_heads_first_tensors_by_tensor_layout(backend):
+    """``tensor_layout="HND"`` takes and returns ``[batch, heads, tokens, dim]`` (SDPA's layout): the same
+    attention as the default ``"NHD"`` on the transposed tensors, and SDPA's own answer."""
+    q, k, v = (torch.randn(1, 8, 96, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    out = attention(q, k, v, tensor_layout="HND", backend=backend)
+    nhd = attention(*(x.transpose(1, 2) for x in (q, k, v)), backend=backend)
+    assert out.shape == q.shape
+    torch.testing.assert_close(out, nhd.transpose(1, 2))
+    torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, k, v), atol=1e-5, rtol=1e-5)
+    from diffusers_trtllm import run_attention
+
+    _, result = run_attention(q, k, v, tensor_layout="HND", backend="reference", return_lse=True)
+    assert result.lse.shape == (1, 8, 96)
+
+
+@pytest.mark.parametrize("tensor_layout, error", [("BHSD", ValueError), ("nhd", ValueError), (None, ControlTypeError),
+                                                  (2, ControlTypeError)])
+def test_tensor_layout_refuses_what_is_not_a_layout(tensor_layout, error):
+    q, k, v = _qkv()
+    with pytest.raises(error, match=r"^tensor_layout must be 'NHD' \(\[batch, tokens, heads, head_dim\]\) or 'HND'"):
+        attention(q, k, v, tensor_layout=tensor_layout, backend="reference")
+
+
+def test_functional_entry_points_name_their_keywords():
+    """``help(attention)`` shows what it takes: no ``**kwargs`` hides a keyword."""
+    import inspect
+
+    from diffusers_trtllm import run_attention
+
+    for fn in (attention, run_attention):
+        params = inspect.signature(fn).parameters
+        assert "tensor_layout" in params and params["tensor_layout"].default == "NHD"
+        assert not any(p.kind is p.VAR_KEYWORD for p in params.values()), fn.__name__
+    assert set(inspect.signature(attention).parameters) <= set(inspect.signature(run_attention).parameters)
+
+
+# ---- what cannot run is refused before it runs -----------------------------------------------------
+
+@pytest.mark.parametrize("how", ["install", "set_attn_processor"])
+@pytest.mark.parametrize("kwargs, says", [
+    ({"skip_softmax_threshold": 0.2}, "no CPU route for skip-softmax (role 'self')"),
+    ({"quant": "int8", "roles": {"cross": "dense"}}, "no CPU route for SAGE (role 'self')"),
+    ({"roles": {"joint": {"skip_softmax_threshold": 0.2, "quant": "fp8"}}}, "skip-softmax and SAGE (role 'joint')"),
+    ({"backend": "triton"}, "backend='triton' (role 'self') needs CUDA"),
+])
+def test_without_cuda_a_request_no_route_runs_is_refused_at_install(kwargs, says, how, monkeypatch):
+    """No CUDA: ``backend="auto"`` has no CPU route for skip-softmax or SAGE, a GPU route none at all; refused in
+    one line, the fix first, before any layer is served (not at the first call, 75 lines deep)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    model, _ = tiny_models.build("flux")
+    with pytest.raises(RuntimeError) as info:
+        install(model, TrtllmAttnProcessor(**kwargs)) if how == "install" else model.set_attn_processor(
+            TrtllmAttnProcessor(**kwargs))
+    message = str(info.value)
+    assert message.startswith("Pass backend='reference'") and "\n" not in message and says in message, message
+    assert not any(isinstance(p, TrtllmAttnProcessor) for p in model.attn_processors.values())
+
+
+def test_without_cuda_what_runs_on_the_cpu_is_accepted(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for kwargs in ({}, {"skip_softmax_threshold": 0.2, "backend": "reference"}, {"quant": "int8", "fallback": "dense"},
+                   {"skip_softmax_threshold": 0.2, "roles": {r: "dense" for r in ("self", "cross", "joint", "refiner")}}):
+        model, _ = tiny_models.build("flux")
+        install(model, TrtllmAttnProcessor(**kwargs))
+    # Whether CUDA exists decides, not where the model is now: install on the CPU, then .to("cuda"), is a real pattern.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    install(tiny_models.build("flux")[0], TrtllmAttnProcessor(skip_softmax_threshold=0.2, quant="int8"))
+
+
+def test_target_sparsity_without_a_calibration_is_refused_before_any_layer_runs():
+    model, inputs = tiny_models.build("wan_t2v")
+    proc = TrtllmAttnProcessor(target_sparsity=0.5, backend="reference")
+    install(model, proc)  # a calibration may still come: load_calibration after install is the usual order
+    with pytest.raises(ValueError) as info, torch.no_grad():
+        model(**inputs)
+    message = str(info.value)
+    assert message.startswith("Load a calibration with load_calibration(") and "calibrate(pipe" in message
+    assert "\n" not in message and "blocks.0.attn1" in message
+    assert not proc.step_table(), "no layer ran"
+    config = {"sparse_attention_config": {"config_groups": {"group_0": {
+        "algorithm": "skip_softmax", "target_sparsity": 0.5,
+        "threshold_scale_factor": {"formula": "a * exp(b * target_sparsity)", "coefficients": {"a": 2.0, "b": 4.0}}}}}}
+    load_calibration(model, config)
+    with torch.no_grad():
+        model(**inputs)
+    assert proc.step_table()
+
+
 def test_functional_scalars_checked():
     q, k, v = _qkv()
     with pytest.raises(ValueError, match="softmax_scale must be finite and > 0"):
@@ -230,8 +348,8 @@ def test_cli_help_shows_defaults(capsys):
 def test_cli_policy_reaches_the_processor():
     from diffusers_trtllm.__main__ import _processor
 
-    assert _processor(parse_args([]), skip=True, sage=True, backend="auto").role_settings("self").policy == "auto"
-    assert _processor(parse_args(["--policy", "always"]), skip=True, sage=False, backend="auto").role_settings("self").policy == "always"
+    assert _processor(parse_args([]), skip=True, sage=True, backend="auto")._role_settings["self"].policy == "auto"
+    assert _processor(parse_args(["--policy", "always"]), skip=True, sage=False, backend="auto")._role_settings["self"].policy == "always"
 
 
 def test_calibration_json_roundtrip_of_accepted_file(tmp_path):

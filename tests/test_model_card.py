@@ -73,7 +73,7 @@ def test_the_guide_publishes_and_loads_a_setting_as_written(tmp_path, monkeypatc
     exec(compile(load, "docs/model_card.md (load)", "exec"), scope)
     loaded = [layer_of(m) for m in scope["pipe"].transformer.modules() if layer_of(m) is not None]
     assert all(cal is not None for cal in saved) and [s.calibration for s in loaded] == saved
-    assert loaded[0].processor is not scope["proc"] and loaded[0].processor.quant.dtype_qk == "int8"
+    assert loaded[0].processor is not scope["proc"] and loaded[0].processor._role_settings["self"].quant.dtype_qk == "int8"
 
 
 def test_model_card_snippet_runs_against_a_local_checkpoint(tmp_path, capsys):

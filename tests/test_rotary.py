@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tiny_models
+from triton_support import fma_missing, interpreter_missing
 from conftest import requires_cuda
 from diffusers_trtllm import TrtllmAttnProcessor, install
 from diffusers_trtllm.kernels import rotary
@@ -170,13 +171,25 @@ print(json.dumps(cases))
 """
 
 
-def test_kernel_under_interpreter_gives_the_torch_values():
-    pytest.importorskip("triton")
+@pytest.fixture(scope="module")
+def interpreted_rotations():
+    missing = interpreter_missing()
+    if missing:
+        pytest.skip(missing)
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     run = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, env=env, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
     cases = json.loads(run.stdout.strip().splitlines()[-1])
-    assert len(cases) == 63 and all(c["ok"] for c in cases), cases
+    assert len(cases) == 63, cases
+    return cases
+
+
+@pytest.mark.parametrize("rule", rotary.RULES)
+def test_kernel_under_interpreter_gives_the_torch_values(interpreted_rotations, rule):
+    if rule == "complex" and fma_missing():  # its cases are torch's fma rounding, which such an interpreter lacks
+        pytest.skip(fma_missing())
+    cases = [c for c in interpreted_rotations if c["case"].startswith(f"{rule} ")]
+    assert cases and all(c["ok"] for c in cases), cases
 
 
 # ---- at the attention call ---------------------------------------------------------------------------------
@@ -247,6 +260,19 @@ def test_ltx_forward_is_stocks_bit_for_bit_with_our_rotation(monkeypatch):
     model, ours, stock = _ours_and_stock("ltx")
     assert torch.equal(ours, stock)
     assert len(seen) == len(model.transformer_blocks)  # self-attention; cross-attention gets no rotary argument
+
+
+@pytest.mark.parametrize("family", ["wan_t2v", "flux", "flux2", "hunyuanvideo", "qwenimage", "cogvideox", "ltx"])
+def test_fused_rotary_off_keeps_the_familys_own_rotation(family, monkeypatch):
+    """``fused_rotary=False``: no rotation of ours; the family's processors turn Q and K, and the output is stock's."""
+    seen = _count_rotations(monkeypatch)
+    model, inputs = tiny_models.build(family)
+    with torch.no_grad():
+        stock = model(**inputs)[0]
+        install(model, TrtllmAttnProcessor(fused_rotary=False))
+        ours = model(**inputs)[0]
+    assert torch.equal(ours, stock)
+    assert not seen and all(layer_of(m).rotary is None for m in model.modules() if layer_of(m) is not None)
 
 
 def test_qwenimage_tables_of_another_length_are_refused():

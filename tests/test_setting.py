@@ -98,7 +98,7 @@ def test_every_constructor_argument_round_trips(tmp_path, name):
     loaded = TrtllmAttnProcessor.from_pretrained(tmp_path)
     assert _arguments(loaded) == _arguments(proc)
     for role in ("self", "cross", "joint", "refiner"):
-        assert loaded.role_settings(role) == proc.role_settings(role)
+        assert loaded._role_settings[role] == proc._role_settings[role]
     assert loaded.collect_stats == proc.collect_stats
 
 
@@ -116,7 +116,7 @@ def test_a_quant_config_and_a_dtype_are_saved_as_json(tmp_path):
     proc = TrtllmAttnProcessor(quant=QuantConfig(dtype_qk=torch.int8, k_block_size=128), roles={"cross": {"quant": "fp8"}})
     proc.save_pretrained(tmp_path)
     loaded = TrtllmAttnProcessor.from_pretrained(tmp_path)
-    assert loaded.quant == proc.quant and loaded.role_settings("cross") == proc.role_settings("cross")
+    assert loaded._role_settings["self"].quant == proc._role_settings["self"].quant and loaded._role_settings["cross"] == proc._role_settings["cross"]
 
 
 def test_keyword_arguments_override_the_file(saved):

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from background_jobs import BackgroundJob
+from triton_support import interpreter_missing
 
 ROOT = Path(__file__).resolve().parents[1]
 LENS_Q = (37, 70)
@@ -349,7 +350,8 @@ def _run_all() -> None:
 
 #: The cases' child (this file as a script), started with the session (``background_jobs``).
 INTERPRETER = BackgroundJob(
-    lambda workdir: [sys.executable, __file__], ("test_kernel_under_interpreter",), cwd=ROOT,
+    lambda workdir: None if interpreter_missing() else [sys.executable, __file__], ("test_kernel_under_interpreter",),
+    cwd=ROOT,
     env=dict(os.environ, TRITON_INTERPRET="1",
              PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])))
 #: The whole child run's limit: it took 35 s on an idle 2-core machine, 55 s with the other core busy (5 minutes
@@ -359,7 +361,9 @@ INTERPRETER_TIMEOUT_S = 300
 
 @pytest.fixture(scope="module")
 def interpreted():
-    pytest.importorskip("triton")
+    missing = interpreter_missing()
+    if missing:
+        pytest.skip(missing)
     run = INTERPRETER.result(INTERPRETER_TIMEOUT_S)
     failure = (f"cut off {INTERPRETER_TIMEOUT_S} s after it started" if run.returncode is None
                else f"exit {run.returncode}: {run.stderr[-3000:]}" if run.returncode else None)

@@ -193,3 +193,39 @@ def sd3_pipeline(seed: int = 0):
     pipe.set_progress_bar_config(disable=True)
     return pipe, dict(prompt_embeds=_randn(1, 8, 32, seed=5), pooled_prompt_embeds=_randn(1, 64, seed=6),
                       guidance_scale=1.0, height=8, width=8, output_type="latent")
+
+
+def _flow_pipeline(pipeline_cls, family: str, seed: int, **components):
+    """A pipeline of ``family``'s tiny transformer with a flow-matching scheduler and no VAE (latents out)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    transformer, _ = build(family, seed=seed)
+    pipe = pipeline_cls(transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(), vae=None,
+                        text_encoder=None, tokenizer=None, **components)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def hunyuanvideo_pipeline(seed: int = 0):
+    from diffusers import HunyuanVideoPipeline
+
+    pipe = _flow_pipeline(HunyuanVideoPipeline, "hunyuanvideo", seed, text_encoder_2=None, tokenizer_2=None)
+    return pipe, dict(prompt_embeds=_randn(1, 6, 16, seed=5), pooled_prompt_embeds=_randn(1, 8, seed=6),
+                      prompt_attention_mask=torch.ones(1, 6, dtype=torch.long), height=32, width=32, num_frames=1,
+                      output_type="latent")
+
+
+def qwenimage_pipeline(seed: int = 0):
+    from diffusers import QwenImagePipeline
+
+    pipe = _flow_pipeline(QwenImagePipeline, "qwenimage", seed)
+    return pipe, dict(prompt_embeds=_randn(1, 8, 16, seed=5), prompt_embeds_mask=torch.ones(1, 8, dtype=torch.long),
+                      true_cfg_scale=1.0, height=32, width=32, output_type="latent")
+
+
+def ltx_pipeline(seed: int = 0):
+    from diffusers import LTXPipeline
+
+    pipe = _flow_pipeline(LTXPipeline, "ltx", seed)
+    return pipe, dict(prompt_embeds=_randn(1, 6, 16, seed=5), prompt_attention_mask=torch.ones(1, 6, dtype=torch.long),
+                      guidance_scale=1.0, height=32, width=32, num_frames=9, output_type="latent")

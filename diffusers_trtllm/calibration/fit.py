@@ -139,10 +139,10 @@ class _Recorder(TrtllmAttnProcessor):
         self.tile = tile
         self.owners = owners
         self.cells: dict[tuple, LayerStepSparsity] = {}
-        self.call_observer = self._measure
+        self._call_observer = self._measure
 
-    def settings_for(self, state):
-        return self.role_settings(state.role)  # dense, whatever calibration the layer carries
+    def _settings_for(self, state):
+        return self._role_settings[state.role]  # dense, whatever calibration the layer carries
 
     @torch.no_grad()
     def _measure(self, state, t, layout, query, key, scale) -> None:

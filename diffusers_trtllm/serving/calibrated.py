@@ -139,7 +139,7 @@ def apply_calibration(target: Any, given: Mapping[str, Any] | None, source: str)
                 calibration = Calibration(group.a, group.b, group.target_sparsity, group.disabled_until_timestep,
                                           source=f"{attr}:{group.name}")
                 counts["calibrated"] += 1
-            settings = state.processor.role_settings(state.role)
+            settings = state.processor._role_settings[state.role]
             if settings.mode == "trtllm" and settings.skip.target_sparsity is not None and calibration is None and not ignored:
                 missing.append(f"{attr}.{name}")
             planned.append((state, ignored, calibration))

@@ -28,7 +28,7 @@ def _stock_skip_output(attn: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     """What Diffusers' layer-skip returns for a layer we serve: its stock processor's skip output."""
     from diffusers.hooks._helpers import AttentionProcessorRegistry
 
-    stock = attn.processor.stock_processor(attn)  # the hook looked our class up, so ours is the processor
+    stock = attn.processor._stock_processor(attn)  # the hook looked our class up, so ours is the processor
     if stock is None:
         raise ValueError(f"layer-skip cannot skip {type(attn).__name__}: TrtllmAttnProcessor knows no stock processor "
                          "for it; install the processor with diffusers_trtllm.install(model, proc) first.")

@@ -23,7 +23,7 @@ from .calibrated import apply_calibration, check_layers, denoiser_name
 from .modules import attention_modules, target_modules, uncompiled
 from .processor import TrtllmAttnProcessor
 from .setters import drop_layer, put_processor, recorded_replacement, restore_if_unused
-from .timestep import detach_tracker, tracker_of
+from .timestep import detach_tracker, follow_timesteps, tracker_of
 
 __all__ = ["install", "uninstall"]
 
@@ -38,6 +38,7 @@ def install(target: Any, processor: TrtllmAttnProcessor) -> Any:
     """
     if not isinstance(processor, TrtllmAttnProcessor):
         raise TypeError(f"install() takes a TrtllmAttnProcessor; got {type(processor).__name__}.")
+    processor._check_machine()
     roots = target_modules(target)
     record = processor._calibration
     if record is not None:  # a saved setting's calibration: refused before anything changes if made for other layers
@@ -50,7 +51,7 @@ def install(target: Any, processor: TrtllmAttnProcessor) -> Any:
         for name, module in attention_modules(module_root):
             # A processor of ours being replaced (or one swapped in over ours by attribute): the layer keeps the
             # stock processor it recorded.
-            processor.bind(module, replaced=recorded_replacement(module, module.processor), name=name or None)
+            processor._bind(module, replaced=recorded_replacement(module, module.processor), name=name or None)
             put_processor(module, processor)
             served += 1
         tracker = tracker_of(module_root, tracker)
@@ -59,6 +60,8 @@ def install(target: Any, processor: TrtllmAttnProcessor) -> Any:
         raise ValueError(f"{type(target).__name__} has no attention module (no module with a `processor`) to serve.")
     if record is not None:
         apply_calibration(target, record.sections, record.source)
+    # Gated by the timestep each forward is called with (a pipeline's scheduler helps number the steps).
+    follow_timesteps(list(roots.values()), None if isinstance(target, torch.nn.Module) else target)
     logger.debug("TrtllmAttnProcessor installed on %d attention modules of %s", served, type(target).__name__)
     return target
 

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from .processor import Settings, TrtllmAttnProcessor
     from .timestep import TimestepTracker
 
-__all__ = ["LayerState", "Calibration", "LAYER_ATTR", "layer_of", "attach_layer", "detach_layer"]
+__all__ = ["LayerState", "Calibration", "LAYER_ATTR", "layer_of", "attach_layer", "detach_layer", "check_calibrated"]
 
 #: The attribute of an attention module that holds its ``LayerState`` (only this module spells it).
 LAYER_ATTR = "_trtllm_layer"
@@ -48,6 +48,18 @@ def attach_layer(module: torch.nn.Module, state: "LayerState") -> None:
 def detach_layer(module: torch.nn.Module) -> "LayerState | None":
     """Take the state off ``module`` (returned, or None when it had none)."""
     return module.__dict__.pop(LAYER_ATTR, None)
+
+
+def check_calibrated(model: torch.nn.Module) -> None:
+    """Refuse, before any layer of ``model`` runs, a ``target_sparsity`` that no calibration backs (one line)."""
+    missing = [state.label for m in model.modules() if (state := layer_of(m)) is not None and state.needs_calibration]
+    if missing:
+        shown = missing[0] + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
+        raise ValueError(
+            f"Load a calibration with load_calibration(pipe, path_or_repo), make one with calibrate(pipe, prompts), "
+            f"or pass skip_softmax_threshold instead: target_sparsity has no calibration for {shown} of "
+            f"{type(model).__name__}."
+        )
 
 
 @dataclass(frozen=True)
@@ -112,7 +124,7 @@ class LayerState:
         self.key = intercept.register_layer(self)
         if self.stock is not None and self.mode is not None:
             intercept.ensure_routing(self.stock)
-        self.processor.adopt(self)
+        self.processor._adopt(self)
 
     # ---- description --------------------------------------------------------------------------
     @property
@@ -145,7 +157,7 @@ class LayerState:
         self.mask_params = tuple((i, p) for i, p in enumerate(params) if "mask" in p)
         self.hidden_index = params.index("hidden_states") if "hidden_states" in params else (0 if params else None)
         self.encoder_index = params.index("encoder_hidden_states") if "encoder_hidden_states" in params else None
-        self.rotary = deferred_rotary(stock, params)
+        self.rotary = deferred_rotary(stock, params) if self.processor._fused_rotary else None
 
     def take_over(self, previous: "LayerState") -> None:
         """Carry what belongs to the module, not to a processor, from the state that served it until now:
@@ -163,8 +175,13 @@ class LayerState:
 
     def settings(self) -> "Settings":
         if self._settings is None:
-            self._settings = self.processor.settings_for(self)
+            self._settings = self.processor._settings_for(self)
         return self._settings
+
+    @property
+    def needs_calibration(self) -> bool:
+        """Whether this layer asks for ``target_sparsity`` and no calibration curve (nor ``ignore``) backs it."""
+        return self.settings().skip.target_sparsity is not None and self.calibration is None and not self.ignored
 
     def refresh(self) -> None:
         """Forget cached settings after the processor, role or calibration changed."""
@@ -218,7 +235,7 @@ class LayerState:
         quant = settings.quant if settings.mode == "trtllm" else None
         if skip is not None and skip.configured and skip.gated and t is None:
             skip = self._ungated_skip(skip)
-        observer = self.processor.call_observer
+        observer = self.processor._call_observer
         if observer is not None:  # calibrate(): sees every call's Q, K and layout
             observer(self, t, layout, query, key, scale)
         out, result = run_attention(
@@ -235,7 +252,7 @@ class LayerState:
 
     def _ungated_skip(self, skip: SkipSoftmaxConfig) -> SkipSoftmaxConfig | None:
         """Gated skip-softmax with no known t: say why once, then run dense (never a stale t)."""
-        if self.processor.step_callback_attached:
+        if self.processor._step_callback_attached:
             info_once(("first-step-dense", id(self.processor)),
                       "DenoiseStepCallback publishes t after each step, so the first step runs dense; "
                       "attach_denoise_tracking(pipe, proc) knows t before every step.")
@@ -250,14 +267,14 @@ class LayerState:
 
     def _timestep(self, tensor: torch.Tensor | None) -> float | None:
         if self.tracker is None:
-            return self.processor.fallback_timestep
+            return self.processor._fallback_timestep
         t = self.tracker.read(tensor)
-        return t if t is not None or self.tracker.timed else self.processor.fallback_timestep
+        return t if t is not None or self.tracker.timed else self.processor._fallback_timestep
 
     def _plan(self, query, key, attn_mask, mask_source) -> _MaskPlan:
         """The layout of this call (cached per mask, so one sync per forward)."""
         batch, q_len, kv_len = query.shape[0], query.shape[1], key.shape[1]
-        cache = self.processor.layouts
+        cache = self.processor._layouts
         if attn_mask is None:
             return _MaskPlan(cache.dense(batch, q_len, kv_len, query.device))
 

@@ -13,9 +13,9 @@ stay Diffusers'); only the core attention call is routed to our kernels
 with the same values (:mod:`diffusers_trtllm.serving.rotary`). Per-layer state lives on the module it serves
 (:mod:`diffusers_trtllm.serving.layer`); statistics in :mod:`diffusers_trtllm.stats`. This
 module holds the settings, resolves them per role and layer, and gives each layer what it
-needs through a small public surface (``settings_for``, ``call_observer``,
-``fallback_timestep``, ``step_callback_attached``, ``layouts``, ``adopt`` / ``release``,
-``stock_processor``).
+needs through the package-internal names ``_settings_for``, ``_call_observer``, ``_fallback_timestep``,
+``_step_callback_attached``, ``_layouts``, ``_adopt`` / ``_release`` and ``_stock_processor``: the
+user's surface is the constructor, ``set_timestep``, ``layers`` and the tables.
 See docs/design.md.
 """
 
@@ -35,7 +35,7 @@ from diffusers.utils import PushToHubMixin
 from .. import setting as _setting
 from .. import stats
 from ..attention import check_route_choice
-from ..config import ControlTypeError, QuantConfig, SkipSoftmaxConfig, check_mapping, unknown_keys_message
+from ..config import CPU_ROUTES, ControlTypeError, QuantConfig, SkipSoftmaxConfig, check_mapping, unknown_keys_message
 from ..layout import LayoutCache
 from ..routing.policy import POLICIES
 from ..stats import StepRecord
@@ -113,6 +113,8 @@ class TrtllmAttnProcessor(PushToHubMixin):
     ``policy="auto"`` runs a call dense where its skip/SAGE request cannot pay off (measured
     rules, :mod:`diffusers_trtllm.routing.policy`); what a role override sets explicitly (a skip control,
     ``quant``), or everything under ``policy="always"``, is honoured on every call.
+    ``fused_rotary``: the family's rotary embedding (Wan, Flux, Flux.2, HunyuanVideo, LTX-Video, Qwen-Image,
+    CogVideoX) runs as one launch of ours with the same values (True), or as the family's own code (False).
 
     A setting saves and loads as Diffusers' configurations do (:mod:`diffusers_trtllm.setting`):
     ``proc.save_pretrained(folder, push_to_hub=False, repo_id=None)`` writes every constructor argument
@@ -122,7 +124,7 @@ class TrtllmAttnProcessor(PushToHubMixin):
     """
 
     #: Called as ``observer(layer, t, layout, query, key, scale)`` before each served call (``calibrate``'s pass).
-    call_observer: Any = None
+    _call_observer: Any = None
     #: The calibration the served layers were given (``load_calibration``, or the file of ``from_pretrained``):
     #: what ``save_pretrained`` writes and ``install`` applies.
     _calibration: CalibrationRecord | None = None
@@ -139,6 +141,7 @@ class TrtllmAttnProcessor(PushToHubMixin):
         roles: Mapping[str, Any] | None = None,
         collect_stats: bool = False,
         policy: str = "auto",
+        fused_rotary: bool = True,
     ) -> None:
         base = {
             "skip_softmax_threshold": skip_softmax_threshold,
@@ -153,17 +156,20 @@ class TrtllmAttnProcessor(PushToHubMixin):
         unknown = set(roles) - set(ROLES)
         if unknown:
             raise ValueError(unknown_keys_message("roles", unknown, ROLES, what="roles"))
+        #: What each role asks for, before any layer's calibration.
         self._role_settings = {role: _role_settings(base, roles.get(role, {}), role) for role in ROLES}
         # What the user set (not left at its default), per role: a checkpoint fills only the rest.
         defaults = {"backend": "auto", "policy": "auto"}
         given = {k for k, v in base.items() if v is not None and v != defaults.get(k)}
         self._explicit = {role: given | set(roles[role] if isinstance(roles.get(role), Mapping) else ()) for role in ROLES}
-        self._built_without_arguments = not given and not roles and not collect_stats
+        self._built_without_arguments = not given and not roles and not collect_stats and fused_rotary is True
         self.roles = roles
-        if not isinstance(collect_stats, bool):  # bool("no") would turn the counting on
-            raise ControlTypeError(f"collect_stats must be True or False; got {collect_stats!r:.60} "
-                                   f"({type(collect_stats).__name__}).")
+        for name, flag in (("collect_stats", collect_stats), ("fused_rotary", fused_rotary)):
+            if not isinstance(flag, bool):  # bool("no") would turn it on
+                raise ControlTypeError(f"{name} must be True or False; got {flag!r:.60} ({type(flag).__name__}).")
         self.collect_stats = collect_stats
+        #: Whether the family's rotary embedding runs as our one launch (``serving.rotary``) or as its own code.
+        self._fused_rotary = fused_rotary
         self._init_runtime()
         #: A normalized t published with ``set_timestep`` (for layers outside any tracked transformer).
         self._t_value: float | None = None
@@ -180,6 +186,7 @@ class TrtllmAttnProcessor(PushToHubMixin):
         #: States of modules this processor served until another processor (or ``uninstall``) took them,
         #: by module: they keep this processor's statistics until it serves the module again.
         self._retired: "weakref.WeakKeyDictionary[torch.nn.Module, LayerState]" = weakref.WeakKeyDictionary()
+        #: The layout cache every layer shares (one mask packing per transformer forward).
         self._layouts = LayoutCache()
 
     # ---- copies and pickling: layers re-register themselves on restore -------------------------
@@ -236,18 +243,40 @@ class TrtllmAttnProcessor(PushToHubMixin):
         calibration = self._calibration.sections if self._calibration is not None else None
         _setting.save(_setting.setting_contents(self._arguments, calibration), save_directory, push_to_hub, **kwargs)
 
+    def _check_machine(self) -> None:
+        """Refuse, before any layer is served, settings no route of this machine can run: without CUDA only the
+        CPU routes run, and ``backend="auto"`` never picks ``reference`` (the oracle), so skip-softmax or SAGE
+        would fail at the first call. Decided by whether CUDA is available at all, not by where the model is
+        now (``install`` then ``.to("cuda")`` is fine)."""
+        if torch.cuda.is_available():
+            return
+        for role in ROLES:
+            s = self._role_settings[role]
+            if s.mode != "trtllm":
+                continue
+            if s.backend not in ("auto", *CPU_ROUTES):
+                raise RuntimeError(
+                    f"Pass backend='reference' (or 'sdpa' for dense attention) or run on a CUDA GPU: "
+                    f"backend={s.backend!r} (role {role!r}) needs CUDA, and this machine has none.")
+            wanted = [name for name, on in (("skip-softmax", s.skip.configured), ("SAGE", s.quant is not None)) if on]
+            if s.backend == "auto" and wanted and s.fallback != "dense":
+                raise RuntimeError(
+                    f"Pass backend='reference' (the kernels' PyTorch oracle: right answers, no speed) or run on a "
+                    f"CUDA GPU: this machine has no CUDA, and backend='auto' has no CPU route for "
+                    f"{' and '.join(wanted)} (role {role!r}).")
+
     # ---- what a layer asks of its processor ------------------------------------------------------
-    def adopt(self, state: LayerState) -> None:
+    def _adopt(self, state: LayerState) -> None:
         """Serve ``state`` (a layer restored from a copy or a pickle)."""
         self._layers.add(state)
         layer_bound(self, TrtllmAttnProcessor)
 
     @property
-    def is_blank(self) -> bool:
+    def _is_blank(self) -> bool:
         """Built with no arguments and never installed: what Diffusers makes when it rebuilds a processor by class."""
         return self._built_without_arguments and not self._layers and not self._retired
 
-    def release(self, module: torch.nn.Module, state: LayerState) -> None:
+    def _release(self, module: torch.nn.Module, state: LayerState) -> None:
         """Stop serving ``state`` (``module`` was uninstalled or took another processor); its records stay in this
         processor's tables until it serves the module again."""
         self._layers.discard(state)
@@ -255,39 +284,22 @@ class TrtllmAttnProcessor(PushToHubMixin):
         self._retired[module] = state
 
     @property
-    def layouts(self) -> LayoutCache:
-        """The layout cache every layer shares (one mask packing per transformer forward)."""
-        return self._layouts
-
-    @property
-    def fallback_timestep(self) -> float | None:
+    def _fallback_timestep(self) -> float | None:
         """The ``t`` published with ``set_timestep``, for layers whose tracker knows none."""
         return self._t_value
 
     @property
-    def step_callback_attached(self) -> bool:
+    def _step_callback_attached(self) -> bool:
         """Whether a ``DenoiseStepCallback`` publishes ``t`` (then the first step runs dense, said once)."""
         return self._has_callback
 
-    def attach_step_callback(self) -> None:
+    def _attach_step_callback(self) -> None:
         """A ``DenoiseStepCallback`` was made for this processor."""
         self._has_callback = True
 
-    def role_settings(self, role: str) -> Settings:
-        """What ``role`` asks for, before any layer's calibration."""
-        return self._role_settings[role]
-
-    def explicit_settings(self, role: str) -> frozenset[str]:
+    def _explicit_settings(self, role: str) -> frozenset[str]:
         """The controls the user set for ``role`` (not left at their defaults): a checkpoint fills only the rest."""
         return frozenset(self._explicit[role])
-
-    @property
-    def skip(self) -> SkipSoftmaxConfig:
-        return self._role_settings["self"].skip
-
-    @property
-    def quant(self) -> QuantConfig | None:
-        return self._role_settings["self"].quant
 
     # ---- Diffusers' attention backend and parallel config: the stock processors' --------------
     def _set_on_stock(self, name: str, value: Any) -> None:
@@ -320,7 +332,7 @@ class TrtllmAttnProcessor(PushToHubMixin):
         """Run ``attn``'s stock processor with its attention call served."""
         state = layer_of(attn)
         if state is None or state.processor is not self:
-            state = self.bind(attn)
+            state = self._bind(attn)
         if state.mode is None:
             if state.stock is None:
                 raise RuntimeError(
@@ -331,7 +343,7 @@ class TrtllmAttnProcessor(PushToHubMixin):
         return _intercept.call_stock(state, attn, args, kwargs)
 
     # ---- binding ----------------------------------------------------------------------
-    def bind(self, module: torch.nn.Module, replaced: Any = None, name: str | None = None) -> LayerState:
+    def _bind(self, module: torch.nn.Module, replaced: Any = None, name: str | None = None) -> LayerState:
         """Attach per-layer state to ``module`` (done on install; lazily otherwise)."""
         previous = layer_of(module)
         if isinstance(replaced, TrtllmAttnProcessor):
@@ -342,7 +354,7 @@ class TrtllmAttnProcessor(PushToHubMixin):
             state = LayerState(self, name=name)
             if previous is not None:
                 state.take_over(previous)
-                previous.processor.release(module, previous)
+                previous.processor._release(module, previous)
             attach_layer(module, state)
         if name is not None:
             state.name = name
@@ -367,7 +379,7 @@ class TrtllmAttnProcessor(PushToHubMixin):
         layer_bound(self, TrtllmAttnProcessor)
         return state
 
-    def stock_processor(self, attn: torch.nn.Module) -> Any:
+    def _stock_processor(self, attn: torch.nn.Module) -> Any:
         """The family processor doing ``attn``'s work around its attention call (None when none is known)."""
         state = layer_of(attn)
         return state.stock if state is not None else None
@@ -382,7 +394,7 @@ class TrtllmAttnProcessor(PushToHubMixin):
         another processor or ``uninstall`` took them."""
         return self.layers + sorted(self._retired.values(), key=lambda s: int(s.key))
 
-    def settings_for(self, state: LayerState) -> Settings:
+    def _settings_for(self, state: LayerState) -> Settings:
         """What ``state``'s layer runs: its role's settings, with its calibration (or ``ignore``) applied."""
         settings = self._role_settings[state.role]
         if settings.mode != "trtllm":
@@ -398,7 +410,7 @@ class TrtllmAttnProcessor(PushToHubMixin):
                                          disabled_until_timestep=skip.disabled_until_timestep)
             if skip.target_sparsity is not None:
                 skip = skip.with_calibration(cal.a, cal.b)
-                if "disabled_until_timestep" not in self.explicit_settings(state.role) and cal.disabled_until_timestep:
+                if "disabled_until_timestep" not in self._explicit_settings(state.role) and cal.disabled_until_timestep:
                     skip = replace(skip, disabled_until_timestep=cal.disabled_until_timestep)  # an explicit one wins
         return replace(settings, skip=skip)
 
@@ -454,10 +466,16 @@ class TrtllmAttnProcessor(PushToHubMixin):
         return stats.plot(self._recorded_layers(), path, title)
 
     def __repr__(self) -> str:
-        s, q = self._role_settings["self"], self._role_settings["self"].quant
-        return (f"TrtllmAttnProcessor(skip_softmax_threshold={s.skip.threshold}, target_sparsity={s.skip.target_sparsity}, "
-                f"disabled_until_timestep={s.skip.disabled_until_timestep}, quant={q.dtype_qk if q else None}, "
-                f"backend={s.backend!r}, layers={len(self._layers)})")
+        """The controls in the parameter table's terms (an unset gate is None, as the table says), the others where
+        they differ from their defaults, and how many layers it serves."""
+        s = self._role_settings["self"]
+        shown = {"skip_softmax_threshold": s.skip.threshold, "target_sparsity": s.skip.target_sparsity,
+                 "disabled_until_timestep": s.skip.disabled_until_timestep or None,
+                 "quant": s.quant.dtype_qk if s.quant else None, "backend": s.backend}
+        others = {"fallback": (s.fallback, None), "roles": (self.roles or None, None), "policy": (s.policy, "auto"),
+                  "collect_stats": (self.collect_stats, False), "fused_rotary": (self._fused_rotary, True)}
+        shown.update({name: value for name, (value, default) in others.items() if value != default})
+        return f"TrtllmAttnProcessor({', '.join(f'{k}={v!r}' for k, v in shown.items())}, layers={len(self._layers)})"
 
 
 def _forward_attr(stock: Any, name: str, value: Any) -> None:

@@ -30,7 +30,7 @@ from .._logging import info_once, logger
 from . import intercept
 from .guidance import register_skip_output, unregister_skip_output
 from .layer import detach_layer, layer_of
-from .timestep import tracker_of
+from .timestep import follow_timesteps, stop_following_timesteps, tracker_of
 
 __all__ = ["hold_setters", "layer_bound", "unpatch_diffusers", "restore_if_unused", "drop_layer", "put_processor",
            "recorded_replacement", "restored_stock"]
@@ -94,7 +94,7 @@ def drop_layer(module: torch.nn.Module, restore: bool, ours: type) -> None:
     state = detach_layer(module)
     if state is None:
         return
-    state.processor.release(module, state)
+    state.processor._release(module, state)
     if restore and isinstance(getattr(module, "processor", None), ours):
         if state.stock is None:
             raise RuntimeError(f"{type(module).__name__} has no recorded stock processor to restore ({state.reason}).")
@@ -136,12 +136,14 @@ def _patch_diffusers(ours: type) -> None:
 
         @functools.wraps(original)
         def set_processor(self, processor, _original=original):
+            if isinstance(processor, ours):
+                processor._check_machine()  # before the layer changes hands
             replaced = getattr(self, "processor", None)
             if isinstance(replaced, ours) and layer_of(self) is not None and _is_fused(self, processor):
                 # fuse_qkv_projections() after install: the fused processor does this layer's projections
                 # from now on, and ours keeps serving its attention.
                 unfused = layer_of(self).stock
-                replaced.bind(self, replaced=processor)
+                replaced._bind(self, replaced=processor)
                 layer_of(self).unfused_stock = unfused
                 info_once(("fused", type(processor).__name__),
                           "TrtllmAttnProcessor: %s now does the fused projections; the attention calls stay served.",
@@ -149,7 +151,7 @@ def _patch_diffusers(ours: type) -> None:
                 return
             _original(self, processor)
             if isinstance(processor, ours):
-                processor.bind(self, replaced=recorded_replacement(self, replaced))
+                processor._bind(self, replaced=recorded_replacement(self, replaced))
             elif layer_of(self) is not None:
                 drop_layer(self, restore=False, ours=ours)
                 _restored[self] = processor  # the stock again, should ours be put back once these setters are Diffusers'
@@ -173,12 +175,15 @@ def _patch_diffusers(ours: type) -> None:
             state = layer_of(module)
             if state is not None and isinstance(getattr(module, "processor", None), ours):
                 if unfusing and state.unfused_stock is not None:
-                    state.processor.bind(module, replaced=state.unfused_stock)
+                    state.processor._bind(module, replaced=state.unfused_stock)
                     state.unfused_stock = None
                 state.rename(name, module)
                 served = True
         if served:
             tracker_of(self).reset()  # this processor's statistics start at step 0
+            follow_timesteps([self])  # gated by the timestep this model's forward is called with
+        else:
+            stop_following_timesteps(self)
 
     _WRAPPED.append((AttentionMixin, "set_attn_processor", original_set))
     AttentionMixin.set_attn_processor = set_attn_processor
@@ -193,7 +198,7 @@ def _keep_rebuilt(model: torch.nn.Module, processors: dict, ours: type) -> dict:
     for name, module in model.named_modules():
         key = f"{name}.processor"
         new, current = kept.get(key), getattr(module, "processor", None)
-        if isinstance(new, ours) and new.is_blank and isinstance(current, ours) and new is not current:
+        if isinstance(new, ours) and new._is_blank and isinstance(current, ours) and new is not current:
             kept[key] = current
             info_once(("rebuilt-by-class",),
                       "TrtllmAttnProcessor: set_attn_processor was handed a new TrtllmAttnProcessor() per layer "

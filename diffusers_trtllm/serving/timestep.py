@@ -2,26 +2,33 @@
 
 The timestep belongs to the transformer being run: each transformer (or the
 transformers of one pipeline) has a :class:`TimestepTracker` that its layers read
-inside the attention op. Two ways to feed it, usable together:
+inside the attention op. Its sources, usable together:
 
-- ``attach_denoise_tracking(pipe)``: a Diffusers ``ModelHook`` on each
-  denoiser (``serving.modules``: ``transformer``, ``transformer_2``, ``unet``, ...) hands the ``timestep`` argument
-  of every forward to the tracker *before* that forward runs, so every step,
-  the first included, is gated right. The hook only stores the tensor; its value
-  is read inside our attention op (one sync per forward), so ``torch.compile``
-  sees no graph break. A ``[batch, tokens]`` timestep (Wan 2.2 TI2V) counts by its
-  largest entry. After ``detach_denoise_tracking`` gated layers run dense (one warning).
+- The transformer's own ``timestep`` argument, which every pipeline passes on every step: a forward
+  pre-hook (:class:`TimestepHook`) hands it to the tracker *before* that forward runs, so every step,
+  the first included, is gated right. ``install(pipe, proc)`` and ``transformer.set_attn_processor(proc)``
+  put it on (:func:`follow_timesteps`); ``uninstall``, or a processor of another kind replacing ours, take
+  it off. ``attach_denoise_tracking(pipe)`` puts the same hook on explicitly (a custom loop, a forced
+  ``timestep_divisor``) and replaces the automatic one, so there is one hook per transformer, never two.
+  The hook only stores the tensor; its value is read inside our attention op (one sync per forward),
+  so ``torch.compile`` sees no graph break. A timestep of several values (per sample, or Wan 2.2 TI2V's
+  ``[batch, tokens]``) counts as its noisiest (largest ``t``): skip-softmax starts only when every sample
+  and token is past the gate. After ``detach_denoise_tracking`` gated layers run dense (one warning).
+  It is torch's hook, not a Diffusers ``HookRegistry`` entry: a registry's wrapped ``forward`` is a local
+  closure, which ``pickle`` refuses and ``copy.deepcopy`` would share with the copy.
 - ``DenoiseStepCallback(proc)``: a ``PipelineCallback`` for ``callback_on_step_end``
   (alone or in ``MultiPipelineCallbacks``). Diffusers calls it after a step, so it
   publishes the *next* step's ``t``; the first step runs dense (right whenever
   ``disabled_until_timestep`` is below the first ``t``, as it is in practice).
 
-Normalization: ``t = timestep / scheduler.config.num_train_timesteps`` in [0, 1].
-Flux, Flux2 and Qwen-Image pipelines already hand the transformer ``t / 1000``;
-Wan, SD3, HunyuanVideo, LTX and CogVideoX hand it the raw timestep. The hook tells
-them apart per call by which reading lies nearer the scheduler's own timestep
+Normalization: ``t = timestep / scheduler.config.num_train_timesteps`` in [0, 1] (1 = noise).
+How a family's pipeline hands its transformer the timestep is read from Diffusers 0.42.1's pipelines
+(:data:`FAMILY_TIMESTEPS`): Flux, Flux2, Chroma and Qwen-Image hand it ``t`` itself (``timestep / 1000``);
+Wan, SD3, HunyuanVideo, LTX-Video and CogVideoX the raw timestep; Lumina 2 and Z-Image ``1 - t``.
+Other families are told apart per call by which reading lies nearer the scheduler's own timestep
 list: the raw value itself (then divide) or the value times ``num_train_timesteps``
-(already normalized). Without a scheduler it falls back to "above 1 means raw".
+(already normalized); without a scheduler (``set_attn_processor`` on the transformer alone),
+"above 1 means raw".
 """
 
 from __future__ import annotations
@@ -33,18 +40,29 @@ from typing import Any, Callable
 
 import torch
 from diffusers.callbacks import PipelineCallback
-from diffusers.hooks import HookRegistry, ModelHook
 
 from ..config import ControlTypeError
-from .layer import layer_of
-from .modules import denoisers, target_modules
+from .layer import check_calibrated, layer_of
+from .modules import denoisers, target_modules, uncompiled
 
 __all__ = [
     "DenoiseStepCallback", "attach_denoise_tracking", "detach_denoise_tracking", "TimestepNormalizer", "TimestepTracker",
-    "tracker_of", "detach_tracker", "tracking_hook",
+    "TimestepHook", "FAMILY_TIMESTEPS", "tracker_of", "detach_tracker", "tracking_hook", "follow_timesteps",
+    "stop_following_timesteps",
 ]
 
-HOOK_NAME = "diffusers_trtllm.denoise_tracking"
+#: How each family's pipeline hands its transformer the timestep, by transformer class (Diffusers 0.42.1's
+#: pipelines): ``"t"``: t itself (``timestep / 1000``), ``"raw"``: the scheduler's timestep (t times
+#: ``num_train_timesteps``), ``"1-t"``: 1 - t (0 = noise).
+FAMILY_TIMESTEPS: dict[str, str] = {
+    "FluxTransformer2DModel": "t", "Flux2Transformer2DModel": "t", "ChromaTransformer2DModel": "t",
+    "QwenImageTransformer2DModel": "t",
+    "WanTransformer3DModel": "raw", "WanVACETransformer3DModel": "raw", "SD3Transformer2DModel": "raw",
+    "HunyuanVideoTransformer3DModel": "raw", "LTXVideoTransformer3DModel": "raw", "CogVideoXTransformer3DModel": "raw",
+    "Lumina2Transformer2DModel": "1-t", "ZImageTransformer2DModel": "1-t",
+}
+#: The transformer's ``forward`` parameter carrying the timestep (HiDream's is ``timesteps``).
+_TIMESTEP_PARAMS = ("timestep", "timesteps")
 #: A reading this close (in t) to a scheduler timestep is that timestep.
 _SNAP = 5e-3
 
@@ -55,12 +73,20 @@ def _num_train_timesteps(scheduler: Any) -> float:
 
 
 class TimestepNormalizer:
-    """Turns the value a pipeline hands its transformer into ``t`` in [0, 1] (see module docstring)."""
+    """Turns the value a pipeline hands its transformer into ``t`` in [0, 1] (see module docstring).
 
-    def __init__(self, pipe: Any = None, divisor: float | None = None) -> None:
+    ``convention``: the family's (:data:`FAMILY_TIMESTEPS`), else None (told apart per call); ``divisor``
+    (``attach_denoise_tracking``'s ``timestep_divisor``) wins over both."""
+
+    def __init__(self, pipe: Any = None, divisor: float | None = None, convention: str | None = None) -> None:
         self._pipe = _weak(pipe) if pipe is not None else None
         self.divisor = check_divisor(divisor)
+        self.convention = convention
         self._host: tuple[int, list[float]] | None = None
+
+    @property
+    def has_pipeline(self) -> bool:
+        return self._pipe is not None
 
     def __getstate__(self) -> dict:
         # The pipeline is held weakly (not picklable); a copy normalizes without its scheduler.
@@ -80,20 +106,21 @@ class TimestepNormalizer:
         if self.divisor is not None:
             return min(max(value / self.divisor, 0.0), 1.0)
         known = self._scheduler_timesteps()
-        if known is None:
-            n = 1000.0
+        n = known[1] if known is not None else 1000.0
+        if self.convention is not None:
+            t = {"t": value, "raw": value / n, "1-t": 1.0 - value}[self.convention]
+        elif known is None:
             t = value / n if value > 1.0 else value
         else:
-            timesteps, n = known
+            timesteps = known[0]
             raw = min(timesteps, key=lambda ts: abs(ts - value))
             normalized = min(timesteps, key=lambda ts: abs(ts - value * n))
-            is_raw = abs(raw - value) <= abs(normalized - value * n)
-            nearest = raw if is_raw else normalized
-            t = value / n if is_raw else value
+            t = value / n if abs(raw - value) <= abs(normalized - value * n) else value
+        if known is not None:
+            nearest = min(known[0], key=lambda ts: abs(ts / n - t))
             if abs(nearest / n - t) <= _SNAP:
                 t = nearest / n  # the scheduler's exact value, not its float32/bf16 rounding
         return min(max(t, 0.0), 1.0)
-
 
     def step_of(self, t: float) -> int | None:
         """The pipeline's step computing ``t``: its place in the scheduler's timesteps (None without a scheduler,
@@ -185,14 +212,17 @@ class TimestepTracker:
             self.reset()
 
     def read(self, tensor: torch.Tensor | None) -> float | None:
-        """``t`` of the forward in flight: from the hook's tensor (the largest entry: per-token timesteps
-        keep the noise level of the tokens being generated) or the published value."""
+        """``t`` of the forward in flight: from the hook's tensor (its noisiest entry: per-token timesteps
+        keep the noise level of the tokens being generated, a batch is gated by its noisiest sample) or the
+        published value."""
         if tensor is None or self.normalizer is None:
             return self.value
         hit = self._cache
         if hit is not None and hit[0]() is tensor:
             return hit[1]
-        t = self.normalizer(float(tensor.detach().max()))  # one sync per transformer forward
+        values = tensor.detach().float()
+        ends = torch.stack((values.min(), values.max())).tolist()  # one sync per transformer forward
+        t = max(self.normalizer(v) for v in ends)  # the noisiest (a family may hand 1 - t)
         self._cache = (weakref.ref(tensor), t)
         self._observe(t)
         return t
@@ -263,57 +293,109 @@ def tracker_of(transformer: torch.nn.Module, shared: TimestepTracker | None = No
     return tracker
 
 
-class _DenoiseTrackingHook(ModelHook):
-    """Hands each forward's ``timestep`` tensor to the transformer's tracker before the forward runs."""
+class TimestepHook:
+    """A forward pre-hook of the transformer (torch's, with keywords): hands each forward's ``timestep`` to the
+    transformer's tracker before the forward runs, and refuses there, before any layer runs, a
+    ``target_sparsity`` no calibration backs (eager forwards; a compiled one fails at its first layer).
+    ``automatic``: put on by installing our processor (then replaced by ``attach_denoise_tracking``, and taken
+    off with the processor), else by the user."""
 
-    def __init__(self, tracker: TimestepTracker, timestep_index: int | None) -> None:
-        super().__init__()
+    def __init__(self, tracker: TimestepTracker, param: tuple[str, int] | None, automatic: bool) -> None:
         self.tracker = tracker
-        self.timestep_index = timestep_index
+        self.param = param
+        self.automatic = automatic
+        self.handle: Any = None
 
-    def pre_forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any):
-        timestep = kwargs.get("timestep")
-        if timestep is None and self.timestep_index is not None and self.timestep_index < len(args):
-            timestep = args[self.timestep_index]
+    def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        if not torch.compiler.is_compiling():
+            check_calibrated(module)
+        timestep = None
+        if self.param is not None:
+            name, index = self.param
+            timestep = kwargs.get(name, args[index] if index < len(args) else None)
         if isinstance(timestep, torch.Tensor):
             self.tracker.hand_over(timestep)
-        elif isinstance(timestep, (int, float)):
-            self.tracker.hand_over(None)
-            self.tracker.publish(self.tracker.normalizer(float(timestep)))
-        return args, kwargs
+        else:
+            self.tracker.hand_over(None)  # never the tensor of an earlier forward
+            if isinstance(timestep, (int, float)) and not isinstance(timestep, bool):
+                self.tracker.publish(self.tracker.normalizer(float(timestep)))
+        return None
+
+
+HOOK_ATTR = "_trtllm_timestep_hook"
+
+
+def tracking_hook(transformer: torch.nn.Module) -> TimestepHook | None:
+    """The timestep hook on ``transformer`` (automatic or ``attach_denoise_tracking``'s), or None."""
+    return uncompiled(transformer).__dict__.get(HOOK_ATTR)
+
+
+def _timestep_param(transformer: torch.nn.Module) -> tuple[str, int] | None:
+    """The name and position (after ``self``) of ``forward``'s timestep parameter, or None if it has none."""
+    params = list(inspect.signature(transformer.forward).parameters)
+    return next(((name, params.index(name)) for name in _TIMESTEP_PARAMS if name in params), None)
+
+
+def _hook(transformers: list[torch.nn.Module], pipe: Any, divisor: float | None, automatic: bool) -> None:
+    """Put one timestep hook on each of ``transformers`` (replacing any there), all feeding one tracker."""
+    model = uncompiled(transformers[0])
+    normalizer = TimestepNormalizer(pipe, divisor, FAMILY_TIMESTEPS.get(type(model).__name__))
+    tracker = tracker_of(transformers[0])
+    for transformer in transformers:
+        tracker_of(transformer, tracker)
+        _remove_hook(transformer)
+        model = uncompiled(transformer)
+        hook = TimestepHook(tracker, _timestep_param(model), automatic)
+        hook.handle = model.register_forward_pre_hook(hook, with_kwargs=True)
+        model.__dict__[HOOK_ATTR] = hook
+    tracker.normalizer = normalizer
+    tracker.detached = False
+
+
+def follow_timesteps(transformers: list[torch.nn.Module], pipe: Any = None) -> None:
+    """Our processor now serves ``transformers`` (one pipeline's, or one model): read their ``timestep`` on every
+    forward. A hook the user attached stays; an automatic one is renewed only to learn the pipeline's scheduler."""
+    hooks = [tracking_hook(t) for t in transformers]
+    if any(h is not None and not h.automatic for h in hooks):
+        return
+    learned = pipe is None or all(h.tracker.normalizer is not None and h.tracker.normalizer.has_pipeline
+                                  for h in hooks if h is not None)
+    if all(h is not None for h in hooks) and learned:
+        return
+    _hook(transformers, pipe, None, automatic=True)
+
+
+def stop_following_timesteps(transformer: torch.nn.Module) -> None:
+    """No layer of ``transformer`` is ours any more: take off the hook our processor put on (not the user's)."""
+    hook = tracking_hook(transformer)
+    if hook is not None and hook.automatic:
+        _remove_hook(transformer)
 
 
 def attach_denoise_tracking(target: Any, processor: Any = None, timestep_divisor: float | None = None) -> Any:
     """Publish every step's normalized ``t`` to the layers of ``target`` before that step's transformer forward.
 
-    ``target``: a pipeline (hooks each of its denoisers, ``serving.modules``: Wan 2.2's
-    ``transformer`` and ``transformer_2`` then share one step count) or a transformer. ``processor`` is accepted for compatibility: the timestep
+    Installing the processor does this already (the transformer's own ``timestep`` argument, normalized per
+    family); call this for a custom loop, or to force ``timestep_divisor``. ``target``: a pipeline (hooks
+    each of its denoisers, ``serving.modules``: Wan 2.2's ``transformer`` and ``transformer_2`` then share
+    one step count) or a transformer. ``processor`` is accepted for compatibility: the timestep
     belongs to the transformer, whichever processor serves it.
     ``timestep_divisor``: force the normalization (1 if the transformer gets ``t`` in [0, 1],
-    ``num_train_timesteps`` if raw); by default it is detected against ``pipe.scheduler``.
-    Returns ``target``. Attaching twice replaces the earlier hook.
+    ``num_train_timesteps`` if raw); by default the family's convention, else detected against ``pipe.scheduler``.
+    Returns ``target``. Attaching twice replaces the earlier hook, and the one installing put on.
     """
     if processor is not None:
         check_processor(processor, "attach_denoise_tracking")
     transformers = list(target_modules(target, "track").values())
     pipe = None if isinstance(target, torch.nn.Module) else target
-    normalizer = TimestepNormalizer(pipe, timestep_divisor)
-    tracker = tracker_of(transformers[0])
-    for transformer in transformers:
-        tracker_of(transformer, tracker)
-        params = list(inspect.signature(transformer.forward).parameters)
-        index = params.index("timestep") if "timestep" in params else None
-        _remove_hook(transformer)
-        registry = HookRegistry.check_if_exists_or_initialize(transformer)
-        registry.register_hook(_DenoiseTrackingHook(tracker, index), HOOK_NAME)
-    tracker.normalizer = normalizer
-    tracker.detached = False
+    _hook(transformers, pipe, timestep_divisor, automatic=False)
     return target
 
 
 def detach_denoise_tracking(target: Any, by_user: bool = True) -> None:
-    """Remove the hooks ``attach_denoise_tracking`` added; gated layers then run dense (one warning, unless
-    ``DenoiseStepCallback`` publishes ``t``). ``by_user=False``: no warning (a library removing its own hook)."""
+    """Remove the timestep hooks (``attach_denoise_tracking``'s, or the ones installing put on); gated layers
+    then run dense (one warning, unless ``DenoiseStepCallback`` publishes ``t``). ``by_user=False``: no
+    warning (a library removing its own hook)."""
     for transformer in target_modules(target, "track").values():
         _remove_hook(transformer)
         tracker = transformer.__dict__.get(TRACKER_ATTR)
@@ -322,19 +404,13 @@ def detach_denoise_tracking(target: Any, by_user: bool = True) -> None:
 
 
 def _remove_hook(transformer: torch.nn.Module) -> None:
-    registry = getattr(transformer, "_diffusers_hook", None)
-    if registry is not None and registry.get_hook(HOOK_NAME) is not None:
-        registry.remove_hook(HOOK_NAME, recurse=False)
-
-
-def tracking_hook(transformer: torch.nn.Module) -> ModelHook | None:
-    """The tracking hook ``attach_denoise_tracking`` put on ``transformer``, or None."""
-    registry = getattr(transformer, "_diffusers_hook", None)
-    return registry.get_hook(HOOK_NAME) if registry is not None else None
+    hook = uncompiled(transformer).__dict__.pop(HOOK_ATTR, None)
+    if hook is not None:
+        hook.handle.remove()
 
 
 def detach_tracker(transformer: torch.nn.Module) -> None:
-    """Forget ``transformer``'s tracker and its tracking hook (``uninstall``)."""
+    """Forget ``transformer``'s tracker and its timestep hook (``uninstall``)."""
     transformer.__dict__.pop(TRACKER_ATTR, None)
     _remove_hook(transformer)
 
@@ -355,7 +431,7 @@ class DenoiseStepCallback(PipelineCallback):
             raise ControlTypeError(f"on_step must be a callable (step_index, t) or None; got {on_step!r}.")
         self.processor = processor
         self.on_step = on_step
-        processor.attach_step_callback()
+        processor._attach_step_callback()
 
     def callback_fn(self, pipeline: Any, step_index: int, timestep: Any, callback_kwargs: dict) -> dict:
         scheduler = pipeline.scheduler
