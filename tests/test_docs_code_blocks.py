@@ -22,6 +22,8 @@ its traceback the file's own line numbers.
 
 from __future__ import annotations
 
+import functools
+
 import re
 from pathlib import Path
 from typing import Any, Callable
@@ -105,6 +107,8 @@ def _offline_pipeline(family: str, model_id: Any) -> Any:
 
 
 def _with_reference_backend(function: Callable) -> Callable:
+    """``function`` with ``backend="auto"`` made ``"reference"`` (its signature kept: a setting records it)."""
+    @functools.wraps(function)
     def call(*args: Any, **kwargs: Any) -> Any:
         if kwargs.get("backend", "auto") == "auto":
             kwargs["backend"] = "reference"

@@ -13,9 +13,10 @@ import re
 
 import torch
 
-from diffusers_trtllm import calibrate, save_calibration
+from diffusers_trtllm import TrtllmAttnProcessor, calibrate, save_calibration
 from diffusers_trtllm.demo import build_demo_pipeline
 from diffusers_trtllm.serving.layer import layer_of
+from test_docs_code_blocks import _with_reference_backend
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: (text in the card, what the CPU test runs instead)
@@ -63,7 +64,9 @@ def _python_blocks(text: str) -> list[str]:
 
 
 def test_the_guide_publishes_and_loads_a_setting_as_written(tmp_path, monkeypatch):
-    """docs/model_card.md's Publish and Load blocks, run as written on the CPU (the tiny offline pipeline)."""
+    """docs/model_card.md's Publish and Load blocks on the CPU (the tiny offline pipeline), with ``backend="auto"``
+    made the reference as in tests/test_docs_code_blocks.py (a CPU has no route of ``auto`` for skip or SAGE)."""
+    monkeypatch.setattr(TrtllmAttnProcessor, "__init__", _with_reference_backend(TrtllmAttnProcessor.__init__))
     card = open(os.path.join(ROOT, "docs", "model_card.md"), encoding="utf-8").read()
     publish, load = [block for block in _python_blocks(card) if "MODEL_ID" not in block]
     monkeypatch.chdir(tmp_path)

@@ -122,7 +122,7 @@ def test_a_quant_config_and_a_dtype_are_saved_as_json(tmp_path):
 def test_keyword_arguments_override_the_file(saved):
     _, _, _, folder = saved
     loaded = TrtllmAttnProcessor.from_pretrained(folder, quant=None)
-    assert loaded.quant is None and loaded.skip.target_sparsity == 0.4
+    assert loaded._role_settings["self"].quant is None and loaded._role_settings["self"].skip.target_sparsity == 0.4
     with pytest.raises(TypeError, match=r"from_pretrained has unknown keyword arguments 'qaunt' \(did you mean 'quant'\?\)"):
         TrtllmAttnProcessor.from_pretrained(folder, qaunt=None)
 
