@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from .._logging import logger
+from .intercept import is_ip_adapter
 from .modules import target_modules, uncompiled
 from .processor import TrtllmAttnProcessor
 from .setters import drop_layer, put_processor, recorded_replacement, restore_if_unused
@@ -45,11 +46,14 @@ def install(target: Any, processor: TrtllmAttnProcessor) -> Any:
         for name, module in uncompiled(module_root).named_modules():
             if not _has_processor(module):
                 continue
+            served += 1
+            if is_ip_adapter(module.processor):  # it keeps the layer, ours serves it there (serving.ip_adapter)
+                processor.bind(module, replaced=module.processor, name=name or None, in_place=True)
+                continue
             # A processor of ours being replaced (or one swapped in over ours by attribute): the layer keeps the
             # stock processor it recorded.
             processor.bind(module, replaced=recorded_replacement(module, module.processor), name=name or None)
             put_processor(module, processor)
-            served += 1
         tracker = tracker_of(module_root, tracker)
     tracker.reset()  # this processor's statistics start at step 0
     if not served:
