@@ -92,13 +92,18 @@ def pytest_configure(config) -> None:
 
 
 def pytest_runtest_logreport(report) -> None:
-    """A test's outcome over its phases: ``error`` (setup or teardown failed), ``failed``, ``skipped``, ``passed``."""
+    """A test's outcome over its phases: ``error`` (setup or teardown failed), ``failed``, ``skipped``, ``passed``;
+    each test's line is added to ``<outcomes>l`` as it ends, so a pass cut short keeps what it ran."""
     entry = _outcomes.setdefault(report.nodeid, {"outcome": "passed", "message": ""})
     if report.failed:
         entry["outcome"] = "failed" if report.when == "call" else "error"
         entry["message"] = _last_line(report.longreprtext)
     elif report.skipped and entry["outcome"] == "passed":
         entry["outcome"] = "skipped"
+    path = os.environ.get(OUTCOMES_ENV)
+    if path and report.when == "teardown":
+        with open(path + "l", "a") as lines:
+            lines.write(json.dumps({report.nodeid: entry}) + "\n")
 
 
 def pytest_collectreport(report) -> None:
@@ -123,6 +128,7 @@ def _last_line(text: str) -> str:
 def run_pass(name: str, checkout: Path, paths: list[str], out: Path, pytest_args: list[str]) -> Path:
     """One pytest run over ``paths`` of ``checkout``; returns the outcomes file."""
     outcomes = out / f"{name}.json"
+    Path(f"{outcomes}l").unlink(missing_ok=True)
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join(
         [str(Path(__file__).resolve().parent)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     env[OUTCOMES_ENV] = str(outcomes)
@@ -134,6 +140,20 @@ def run_pass(name: str, checkout: Path, paths: list[str], out: Path, pytest_args
         subprocess.run(command, cwd=checkout, env=env, stdout=log, stderr=subprocess.STDOUT, check=False)
     if not outcomes.exists():
         raise SystemExit(f"the {name} pass wrote no outcomes; see {out / f'{name}.log'}")
+    return outcomes
+
+
+def read_outcomes(out: Path, name: str, parser: argparse.ArgumentParser) -> dict[str, dict[str, str]]:
+    """A pass's outcomes: its JSON, or the lines of a pass cut short."""
+    path = out / f"{name}.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    lines = Path(f"{path}l")
+    if not lines.exists():
+        parser.error(f"no {path}: run the {name} pass (--passes {name})")
+    outcomes: dict[str, dict[str, str]] = {}
+    for line in lines.read_text().splitlines():
+        outcomes.update(json.loads(line))
     return outcomes
 
 
@@ -171,13 +191,13 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     for name in args.passes:
         run_pass(name, checkout, args.paths, args.out.resolve(), args.pytest_args.split())
-    results = {}
-    for name in PASSES:
-        path = args.out / f"{name}.json"
-        if not path.exists():
-            parser.error(f"no {path}: run the {name} pass (--passes {name})")
-        results[name] = json.loads(path.read_text())
-        print(f"{name}: {len(results[name])} tests: {_counts(results[name])}")
+    results = {name: read_outcomes(args.out, name, parser) for name in PASSES}
+    if set(results["stock"]) != set(results["trtllm"]):
+        both = set(results["stock"]) & set(results["trtllm"])
+        print(f"comparing the {len(both)} tests both passes ran (a pass was cut short)")
+        results = {name: {t: e for t, e in outcomes.items() if t in both} for name, outcomes in results.items()}
+    for name, outcomes in results.items():
+        print(f"{name}: {len(outcomes)} tests: {_counts(outcomes)}")
     differ = compare(results["stock"], results["trtllm"])
     print(f"{len(differ)} tests whose outcome differs from stock")
     for test, stock, ours, message in differ:
