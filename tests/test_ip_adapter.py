@@ -204,6 +204,18 @@ def test_uninstall_leaves_the_ip_adapter_loaded(tmp_path):
     torch.testing.assert_close(_latents(pipe, kwargs, **image), stock)
 
 
+def test_a_forward_that_raises_in_an_adapters_layer_leaves_no_layer_named(tmp_path):
+    """Flux's adapter processor raises without an image prompt (stock too); the hooks put the thread's call back."""
+    from diffusers_trtllm.serving import intercept
+
+    pipe, kwargs, image, adapter, load_kwargs, *_ = _pipeline_case("flux")
+    install(pipe, TrtllmAttnProcessor(**DENSE))
+    pipe.load_ip_adapter(tmp_path, subfolder="", weight_name=_save(adapter, tmp_path), **load_kwargs)
+    with pytest.raises(TypeError):
+        _latents(pipe, kwargs)
+    assert getattr(intercept._CALL, "layer", None) is None
+
+
 # ---- Chroma (Flux's attention classes, no pipeline here): the model's own loader ---------------------------------
 def _forward(model, inputs):
     with torch.no_grad():

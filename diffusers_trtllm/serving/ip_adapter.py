@@ -24,7 +24,7 @@ from .layer import layer_of
 
 __all__ = ["serve_in_place", "stop_serving_in_place"]
 
-#: Per thread: what each hooked forward in flight found (``intercept.exit_call`` puts it back), innermost last.
+#: Per thread: (module, what its hooked forward found) for each one in flight, innermost last.
 _IN_FLIGHT = threading.local()
 
 
@@ -37,14 +37,15 @@ def _saved() -> list:
 
 def _before_forward(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
     state = layer_of(module)
-    served = state is not None and state.in_place and state.mode is not None
-    _saved().append(intercept.enter_call(state, args, kwargs) if served else None)
+    if state is not None and state.in_place and state.mode is not None:
+        _saved().append((module, intercept.enter_call(state, args, kwargs)))
 
 
 def _after_forward(module: torch.nn.Module, args: tuple, output: Any) -> None:
-    previous = _saved().pop()
-    if previous is not None:
-        intercept.exit_call(previous)
+    """Also called when the forward raised (``always_call``): puts back only what this module's call took."""
+    stack = _saved()
+    if stack and stack[-1][0] is module:
+        intercept.exit_call(stack.pop()[1])
 
 
 def serve_in_place(module: torch.nn.Module) -> None:
