@@ -14,7 +14,8 @@ functions the processor reaches for are rebound in its module:
 The rebound functions take ``*args, **kwargs`` and hand them unchanged to Diffusers'
 or torch's own function unless this thread is running one of our layers and the
 call is one we serve (no dropout, not causal, no autograd, no layer-skip guidance skipping its scores
-(:mod:`.guidance`), not an IP-Adapter's attention to its image prompt (:mod:`.ip_adapter`), no argument we do not know,
+(:mod:`.guidance`), not an IP-Adapter's attention to its image prompt (:mod:`.ip_adapter`), no argument
+we do not know,
 context parallelism as Ulysses, ring or both with even splits, ring without a mask: :mod:`.parallel`). So a stock model, in any thread, is never routed, and
 a new Diffusers argument passes through. Everything rebound is recorded and
 :func:`restore_globals` puts it back.

@@ -8,8 +8,8 @@ finds one, it stays the module's processor (``serving.setters``, ``serving.insta
 the module name our layer as this thread's call around the module's forward, as our processor's call
 does for the other layers (``intercept.enter_call``). The adapter's first attention call is the
 layer's own (latents and text) and is served; those after it attend to the image prompt's tokens and
-run stock, said in the step table (``intercept.is_ip_adapter``, ``intercept._image_prompt_call``). When the adapter's processor is
-replaced (``unload_ip_adapter``), the new one goes under ours again.
+run stock, said in the step table (``intercept.is_ip_adapter``, ``intercept._image_prompt_call``).
+When the adapter's processor is replaced (``unload_ip_adapter``), the new one goes under ours again.
 """
 
 from __future__ import annotations
