@@ -10,8 +10,8 @@ tests whose outcome (passed, failed, error, skipped) differs from stock::
 
 The checkout only needs its ``tests/`` at the installed release (``git clone --depth 1 --branch v0.42.1
 https://github.com/huggingface/diffusers``); nothing is downloaded (``HF_HUB_OFFLINE=1``). Each pass writes
-``<out>/<pass>.json`` (test id -> outcome and the failure's last line); ``--passes`` reruns only some of them and
-the comparison reads the others from ``--out``. Exit status: 1 if any outcome differs.
+``<out>/<pass>.json`` (test id -> outcome and the failure's last line); ``--passes`` reruns only some of them
+(``--passes`` alone: none) and the comparison reads the others from ``--out``. Exit status: 1 if any outcome differs.
 
 Imported by pytest (``-p diffusers_model_tests``, as the passes do) this module is the plugin that records
 outcomes and, with ``DIFFUSERS_TRTLLM_INSTALL=1``, installs the processor.
@@ -180,8 +180,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="test paths inside the checkout (default: tests/models/transformers)")
     parser.add_argument("--out", type=Path, default=Path("diffusers_model_tests"),
                         help="where each pass writes <pass>.json and <pass>.log")
-    parser.add_argument("--passes", nargs="+", choices=PASSES, default=list(PASSES),
-                        help="the passes to run now (the others are read from --out)")
+    parser.add_argument("--passes", nargs="*", choices=PASSES, default=list(PASSES),
+                        help="the passes to run now (the others are read from --out; none: only compare)")
     parser.add_argument("--pytest-args", default="", help="more pytest arguments, one string (e.g. '-k flux')")
     args = parser.parse_args(argv)
     checkout = args.checkout.resolve()
