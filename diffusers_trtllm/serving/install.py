@@ -20,6 +20,7 @@ import torch
 
 from .._logging import logger
 from .calibrated import apply_calibration, check_layers, denoiser_name
+from .intercept import is_ip_adapter
 from .modules import attention_modules, target_modules, uncompiled
 from .processor import TrtllmAttnProcessor
 from .setters import drop_layer, put_processor, recorded_replacement, restore_if_unused
@@ -49,11 +50,14 @@ def install(target: Any, processor: TrtllmAttnProcessor) -> Any:
     served = 0
     for module_root in roots.values():
         for name, module in attention_modules(module_root):
+            served += 1
+            if is_ip_adapter(module.processor):  # it keeps the layer, ours serves it there (serving.ip_adapter)
+                processor._bind(module, replaced=module.processor, name=name or None, in_place=True)
+                continue
             # A processor of ours being replaced (or one swapped in over ours by attribute): the layer keeps the
             # stock processor it recorded.
             processor._bind(module, replaced=recorded_replacement(module, module.processor), name=name or None)
             put_processor(module, processor)
-            served += 1
         tracker = tracker_of(module_root, tracker)
     tracker.reset()  # this processor's statistics start at step 0
     if not served:

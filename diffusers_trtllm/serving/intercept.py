@@ -14,7 +14,8 @@ functions the processor reaches for are rebound in its module:
 The rebound functions take ``*args, **kwargs`` and hand them unchanged to Diffusers'
 or torch's own function unless this thread is running one of our layers and the
 call is one we serve (no dropout, not causal, no autograd, no layer-skip guidance skipping its scores
-(:mod:`.guidance`), no argument we do not know,
+(:mod:`.guidance`), not an IP-Adapter's attention to its image prompt (:mod:`.ip_adapter`), no argument
+we do not know,
 context parallelism as Ulysses, ring or both with even splits, ring without a mask: :mod:`.parallel`). So a stock model, in any thread, is never routed, and
 a new Diffusers argument passes through. Everything rebound is recorded and
 :func:`restore_globals` puts it back.
@@ -44,7 +45,7 @@ from .parallel import Degrees, context_parallel_attention, served_degrees
 from .rotary import take_rotary
 
 __all__ = [
-    "register_layer", "unregister_layer", "live_layers", "call_stock", "ensure_routing", "restore_globals",
+    "register_layer", "unregister_layer", "live_layers", "call_stock", "enter_call", "exit_call", "is_ip_adapter", "ensure_routing", "restore_globals",
     "rebound_modules", "stock_attention",
 ]
 
@@ -172,9 +173,13 @@ def _mask_source(mask_params: tuple[tuple[int, str], ...], args: tuple, kwargs: 
     return found if isinstance(found, torch.Tensor) else None
 
 
-def call_stock(state: Any, attn: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
-    """Run the layer's stock processor with this thread's calls to it routed to ``state``."""
-    previous, previous_rotary = getattr(_CALL, "layer", None), getattr(_CALL, "rotary", None)
+def enter_call(state: Any, args: tuple, kwargs: dict) -> tuple:
+    """Name ``state`` as this thread's layer for the processor call about to run with ``args`` / ``kwargs``
+    (its stock processor's, or its attention module's forward for a layer served in place: ``serving.ip_adapter``);
+    returns what :func:`exit_call` puts back."""
+    previous = (getattr(_CALL, "layer", None), getattr(_CALL, "mask_source", None), getattr(_CALL, "hidden_len", -1),
+                getattr(_CALL, "encoder_len", -1), getattr(_CALL, "rotary", None),
+                getattr(_CALL, "attention_calls", None))
     _CALL.layer = state
     _CALL.mask_source = _mask_source(state.mask_params, args, kwargs)
     hidden = _argument(state.hidden_index, "hidden_states", args, kwargs)
@@ -182,14 +187,41 @@ def call_stock(state: Any, attn: torch.nn.Module, args: tuple, kwargs: dict) -> 
     _CALL.hidden_len = _tokens(hidden)
     _CALL.encoder_len = -1 if encoder is hidden else _tokens(encoder)  # OmniGen passes hidden states twice
     _CALL.rotary = None
-    if state.rotary is not None:  # we rotate Q and K at its attention call (serving.rotary)
-        args, kwargs, _CALL.rotary = take_rotary(state.rotary, attn, args, kwargs)
+    _CALL.attention_calls = 0 if state.image_prompt else None
+    return previous
+
+
+def exit_call(previous: tuple) -> None:
+    """Put back what :func:`enter_call` found."""
+    (_CALL.layer, _CALL.mask_source, _CALL.hidden_len, _CALL.encoder_len, _CALL.rotary,
+     _CALL.attention_calls) = previous
+
+
+def call_stock(state: Any, attn: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
+    """Run the layer's stock processor with this thread's calls to it routed to ``state``."""
+    previous = enter_call(state, args, kwargs)
     try:
+        if state.rotary is not None:  # we rotate Q and K at its attention call (serving.rotary)
+            args, kwargs, _CALL.rotary = take_rotary(state.rotary, attn, args, kwargs)
         return state.stock(attn, *args, **kwargs)
     finally:
-        _CALL.layer = previous
-        _CALL.mask_source = None
-        _CALL.rotary = previous_rotary
+        exit_call(previous)
+
+
+def is_ip_adapter(processor: Any) -> bool:
+    """Whether ``processor`` is an IP-Adapter's (Diffusers' convention: a module with the image keys' ``to_k_ip``):
+    its attention calls after the first attend to the image prompt's tokens and run stock."""
+    return isinstance(processor, torch.nn.Module) and hasattr(processor, "to_k_ip")
+
+
+def _image_prompt_call() -> bool:
+    """Whether this attention call of an IP-Adapter's processor attends to the image prompt's tokens: every call
+    after its first, which is the layer's own attention (Flux, SD3 and ``IPAdapterAttnProcessor2_0`` alike)."""
+    calls = getattr(_CALL, "attention_calls", None)
+    if calls is None:
+        return False
+    _CALL.attention_calls = calls + 1
+    return calls > 0
 
 
 #: ``_route``'s default mask source: the one this thread's processor call passed.
@@ -249,6 +281,8 @@ def _servable_arguments(names: tuple[str, ...], args: tuple, kwargs: dict, query
                         key: torch.Tensor) -> tuple[Optional[dict], str]:
     """``({"attn_mask", "scale", "parallel_config", "degrees"}, "")`` if we serve this call, else ``(None, why)``
     (it then runs stock, unchanged); ``degrees``: the Ulysses and ring degrees of a context-parallel call."""
+    if _image_prompt_call():
+        return None, "it attends to the IP-Adapter's image-prompt tokens (the layer's own attention is served)"
     if torch.is_grad_enabled() and query.requires_grad:
         return None, "autograd is on (the inputs require grad) and our kernels have no backward"
     if attention_scores_skipped():

@@ -23,6 +23,7 @@ from ..config import SkipSoftmaxConfig
 from ..layout import MaskNotSupportedError, PackedLayout, query_key_masks
 from ..stats import LayerStats, StepRecord
 from . import intercept
+from .keywords import KeywordFilter, keyword_filter
 from .roles import guess_role, observed_role
 from .rotary import DeferredRotary, deferred_rotary
 
@@ -107,6 +108,12 @@ class LayerState:
         self.encoder_index: int | None = None
         #: The stock processor's rotation, when we apply it at the attention call (``serving.rotary``).
         self.rotary: DeferredRotary | None = None
+        #: The module's keyword rule for the stock processor (``serving.keywords``; None: it passes every keyword).
+        self.keywords: KeywordFilter | None = None
+        #: The stock processor is an IP-Adapter's: its attention calls after the first attend to the image prompt.
+        self.image_prompt = False
+        #: The stock processor stays the module's processor, served by hooks on the module (``serving.ip_adapter``).
+        self.in_place = False
         self._settings: "Settings | None" = None
         self.key = intercept.register_layer(self)
 
@@ -140,11 +147,15 @@ class LayerState:
         return f"LayerState({self.label!r}, role={self.role!r}, mode={self.mode!r}, steps={len(self.stats)})"
 
     # ---- binding ------------------------------------------------------------------------------
-    def set_stock(self, stock: Any, module: torch.nn.Module) -> None:
-        """Adopt ``stock`` as the family processor that does everything but the attention call."""
+    def set_stock(self, stock: Any, module: torch.nn.Module, in_place: bool = False) -> None:
+        """Adopt ``stock`` as the family processor that does everything but the attention call; ``in_place``: it stays
+        the module's processor, and the module's forward names this layer (``serving.ip_adapter``)."""
         self.stock = stock
+        self.in_place = in_place
         self.mode, self.reason = (None, "no stock processor is known") if stock is None else intercept.serving_mode(stock)
         self.rotary = None
+        self.keywords = None if stock is None or in_place else keyword_filter(type(module), type(stock))
+        self.image_prompt = intercept.is_ip_adapter(stock)
         self.module_is_cross = getattr(module, "is_cross_attention", None)
         if not self.role_observed:
             self.role = guess_role(self.name, module)
@@ -153,17 +164,20 @@ class LayerState:
                       self.label, self.reason)
             return
         intercept.ensure_routing(stock)
-        params = list(inspect.signature(type(stock).__call__).parameters)[2:]  # after self, attn
+        if in_place:  # the hooks see the module's forward arguments
+            params = list(inspect.signature(type(module).forward).parameters)[1:]  # after self
+        else:
+            params = list(inspect.signature(type(stock).__call__).parameters)[2:]  # after self, attn
         self.mask_params = tuple((i, p) for i, p in enumerate(params) if "mask" in p)
         self.hidden_index = params.index("hidden_states") if "hidden_states" in params else (0 if params else None)
         self.encoder_index = params.index("encoder_hidden_states") if "encoder_hidden_states" in params else None
-        self.rotary = deferred_rotary(stock, params) if self.processor._fused_rotary else None
+        self.rotary = deferred_rotary(stock, params) if self.processor._fused_rotary and not in_place else None
 
     def take_over(self, previous: "LayerState") -> None:
         """Carry what belongs to the module, not to a processor, from the state that served it until now:
         its name, role, stock processor, timestep tracker and calibration (the records stay behind)."""
         for attr in ("name", "role", "role_observed", "stock", "unfused_stock", "reason", "tracker", "calibration",
-                     "ignored"):
+                     "ignored", "in_place"):
             setattr(self, attr, getattr(previous, attr))
         self.refresh()
 

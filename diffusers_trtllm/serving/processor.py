@@ -41,6 +41,7 @@ from ..routing.policy import POLICIES
 from ..stats import StepRecord
 from . import intercept as _intercept
 from .calibrated import CalibrationRecord
+from .ip_adapter import serve_in_place, stop_serving_in_place
 from .layer import Calibration, LayerState, attach_layer, layer_of
 from .roles import ROLES
 from .setters import hold_setters, layer_bound, restored_stock
@@ -333,6 +334,8 @@ class TrtllmAttnProcessor(PushToHubMixin):
         state = layer_of(attn)
         if state is None or state.processor is not self:
             state = self._bind(attn)
+        if state.keywords is not None:  # what the module would have passed the stock processor (serving.keywords)
+            kwargs = state.keywords.apply(kwargs)
         if state.mode is None:
             if state.stock is None:
                 raise RuntimeError(
@@ -343,8 +346,11 @@ class TrtllmAttnProcessor(PushToHubMixin):
         return _intercept.call_stock(state, attn, args, kwargs)
 
     # ---- binding ----------------------------------------------------------------------
-    def _bind(self, module: torch.nn.Module, replaced: Any = None, name: str | None = None) -> LayerState:
-        """Attach per-layer state to ``module`` (done on install; lazily otherwise)."""
+    def _bind(self, module: torch.nn.Module, replaced: Any = None, name: str | None = None,
+             in_place: bool = False) -> LayerState:
+        """Attach per-layer state to ``module`` (done on install; lazily otherwise); ``in_place``: ``replaced`` (an
+        IP-Adapter's processor) stays the module's processor, and hooks on the module serve it
+        (:mod:`diffusers_trtllm.serving.ip_adapter`)."""
         previous = layer_of(module)
         if isinstance(replaced, TrtllmAttnProcessor):
             replaced = None
@@ -358,7 +364,9 @@ class TrtllmAttnProcessor(PushToHubMixin):
             attach_layer(module, state)
         if name is not None:
             state.name = name
-        if replaced is not None:
+        if in_place:
+            stock = replaced
+        elif replaced is not None:
             stock = copy.copy(replaced)
         elif state.stock is not None:
             stock = state.stock
@@ -372,7 +380,11 @@ class TrtllmAttnProcessor(PushToHubMixin):
         for attr, value in self._stock_attrs.items():
             if value is not None:
                 _forward_attr(stock, attr, value)
-        state.set_stock(stock, module)
+        state.set_stock(stock, module, in_place=in_place)
+        if in_place:
+            serve_in_place(module)
+        else:
+            stop_serving_in_place(module)
         _accept_keywords(stock)
         state.refresh()
         self._layers.add(state)

@@ -29,6 +29,7 @@ import torch
 from .._logging import info_once, logger
 from . import intercept
 from .guidance import register_skip_output, unregister_skip_output
+from .ip_adapter import stop_serving_in_place
 from .layer import detach_layer, layer_of
 from .timestep import follow_timesteps, stop_following_timesteps, tracker_of
 
@@ -44,6 +45,8 @@ _pending: set[int] = set()
 #: Module -> the stock processor ``uninstall`` put back on it, for a processor put back by Diffusers' own setter.
 _restored: "weakref.WeakKeyDictionary[torch.nn.Module, Any]" = weakref.WeakKeyDictionary()
 _lock = threading.RLock()  # (a collection inside the lock may run a finalizer)
+#: Per thread: ``set_attn_processor`` was given one processor for every layer (see ``_one_for_all``).
+_setting_all = threading.local()
 
 
 def hold_setters(processor: Any, ours: type) -> None:
@@ -94,6 +97,7 @@ def drop_layer(module: torch.nn.Module, restore: bool, ours: type) -> None:
     state = detach_layer(module)
     if state is None:
         return
+    stop_serving_in_place(module)
     state.processor._release(module, state)
     if restore and isinstance(getattr(module, "processor", None), ours):
         if state.stock is None:
@@ -139,6 +143,17 @@ def _patch_diffusers(ours: type) -> None:
             if isinstance(processor, ours):
                 processor._check_machine()  # before the layer changes hands
             replaced = getattr(self, "processor", None)
+            state = layer_of(self)
+            if state is not None and intercept.is_ip_adapter(processor) and (state.in_place or isinstance(replaced, ours)):
+                # load_ip_adapter over a layer we serve: the adapter's processor takes the layer, ours serves it there.
+                _original(self, processor)
+                state.processor._bind(self, replaced=processor, in_place=True)
+                return
+            if state is not None and state.in_place and not isinstance(processor, ours) and not _one_for_all():
+                # unload_ip_adapter: the processor replacing the adapter's goes under ours, as the adapter's came.
+                _original(self, state.processor)
+                state.processor._bind(self, replaced=processor)
+                return
             if isinstance(replaced, ours) and layer_of(self) is not None and _is_fused(self, processor):
                 # fuse_qkv_projections() after install: the fused processor does this layer's projections
                 # from now on, and ours keeps serving its attention.
@@ -169,7 +184,13 @@ def _patch_diffusers(ours: type) -> None:
         unfusing = isinstance(processor, dict) and processor is getattr(self, "original_attn_processors", None)
         if isinstance(processor, dict):
             processor = _keep_rebuilt(self, processor, ours)
-        original_set(self, processor)
+            original_set(self, processor)
+        else:
+            _setting_all.active = True
+            try:
+                original_set(self, processor)
+            finally:
+                _setting_all.active = False
         served = False
         for name, module in self.named_modules():
             state = layer_of(module)
@@ -187,6 +208,12 @@ def _patch_diffusers(ours: type) -> None:
 
     _WRAPPED.append((AttentionMixin, "set_attn_processor", original_set))
     AttentionMixin.set_attn_processor = set_attn_processor
+
+
+def _one_for_all() -> bool:
+    """Whether this thread's ``set_processor`` call is part of ``set_attn_processor(one processor)``: that is
+    honoured on every layer, an IP-Adapter's included."""
+    return getattr(_setting_all, "active", False)
 
 
 def _keep_rebuilt(model: torch.nn.Module, processors: dict, ours: type) -> dict:
