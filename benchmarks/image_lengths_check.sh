@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Device calls of issue 57 (attention at image-model lengths, 4-16k tokens), by section; results under $OUT.
+#   `profile`: benchmarks/profile_call.py on flux_1024 and Flux 2048² (16,896 tokens): each call's time, host and
+#              GPU, per launch (with BASE=.base: the package copy there timed first, in the same run);
+#   `sweep`:   benchmarks/bench_sage_sm90.py's whole-call, quantizer-only and kernel-only rows on those shapes
+#              (SHAPES to change them), keys with a per-channel mean;
+#   `tests`:   the GPU tests of the quantizer, the sage-sm90 and triton routes and the fast path;
+#   `e2e`:     Flux.1-dev / Qwen-Image forwards (random weights) beside stock and SageAttention2, eager and compiled.
+# Carry .whl (and .jit, .cubin-cache where earlier calls returned them):
+#   bash benchmarks/image_lengths_check.sh profile sweep
+set -uo pipefail
+source benchmarks/gpu_env.sh
+export DIFFUSERS_TRTLLM_CACHE="${DIFFUSERS_TRTLLM_CACHE:-$(pwd)/.cubin-cache}"
+out="${OUT:-/tmp}"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader
+shapes="${SHAPES:-flux_1024,flux_2048=1:16896:24:128}"
+for section in "$@"; do
+  echo "== $section $(date +%T)"
+  case "$section" in
+  profile)
+    if [ -n "${BASE:-}" ]; then
+      PYTHONPATH="$BASE:$PYTHONPATH" timeout "${PROFILE_TIMEOUT:-150}" python3 benchmarks/profile_call.py --shapes "$shapes" \
+        --label baseline --trace-dir /tmp/traces --out "$out/profile_call.json" 2>&1 | grep -v "^    " | grep -v "^|\|^- \|^$"
+    fi
+    timeout "${PROFILE_TIMEOUT:-150}" python3 benchmarks/profile_call.py --shapes "$shapes" --label "${LABEL:-this}" \
+      --trace-dir /tmp/traces --out "$out/profile_call.json" 2>&1 | grep -v "^|\|^- \|^$"
+    tar czf "$out/traces.tar.gz" -C /tmp traces ;;
+  sweep)
+    timeout "${SWEEP_TIMEOUT:-150}" python3 benchmarks/bench_sage_sm90.py --shapes "$shapes" --builds default \
+      --quants k128t-smooth --k-mean 4 --target-skips "" --iters 20 --out "$out/sage_sm90_sweep.json" 2>&1 | tail -30 ;;
+  tests)
+    timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider -x ${TESTS:-tests/test_sage_sm90_gpu.py \
+      tests/test_triton_attn_gpu.py} 2>&1 | tee "$out/gpu_tests.log" | tail -8 ;;
+  e2e)
+    timeout "${E2E_TIMEOUT:-400}" python3 -m diffusers_trtllm.bench e2e --models "${E2E_MODELS:-flux.1-dev}" --weights random \
+      --configs "${E2E_CONFIGS:-stock,dense,sage-int8,stock-sage2}" --warmup 1 --iters 3 --time-limit 300 --out "$out" \
+      --name "${E2E_NAME:-e2e}" --no-progress ${E2E_ARGS:-} 2>&1 | grep -v "^\s*$" | tail -30 ;;
+  pack)  # the cubins built here, for the next call's carry
+    tar czf "$out/cubin-cache.tar.gz" .cubin-cache 2>/dev/null; save_jit ;;
+  *) echo "unknown section $section" ;;
+  esac
+done
