@@ -84,13 +84,13 @@ def test_sage_quantization_matches_reference(dtype_qk, blocks):
     quant = QuantConfig(dtype_qk, *blocks[:3], k_per_thread=blocks[3])
     got = sage_quantize_triton(q, k, v, layout, quant)
     ref = sage_quantize(q, k, v, layout.cu_seqlens_q, layout.cu_seqlens_kv, layout.q_lens, layout.kv_lens, quant,
-                        smooth_v=True, v_mean=got.v_mean)
+                        smooth_v=True, v_mean=got.v_mean, k_mean=got.k_mean)
     q_used = block_ids(layout.cu_seqlens_q, layout.q_lens, quant.q_block_size)[0].unique()
     k_used = block_ids(layout.cu_seqlens_kv, layout.kv_lens, quant.k_block_size, quant.k_per_thread)[0].unique()
     torch.testing.assert_close(got.q_scale[:, q_used], ref.q_scale[:, q_used], rtol=1e-6, atol=0)
     torch.testing.assert_close(got.k_scale[:, k_used], ref.k_scale[:, k_used], rtol=1e-5, atol=1e-9)
     torch.testing.assert_close(got.v_scale, ref.v_scale, rtol=0, atol=0)
-    torch.testing.assert_close(got.v_mean, channel_mean(v), rtol=1e-5, atol=1e-6)  # v_stats sums in spans
+    torch.testing.assert_close(got.v_mean, channel_mean(v), rtol=1e-5, atol=1e-6)  # kv_stats sums in spans
     assert torch.equal(got.v(layout).float(), ref.v.float())
     # On CUDA torch divides by a scalar as a multiply by its reciprocal, so the reference's Q/K scales can
     # sit one ulp from the kernel's IEEE quotient (and smooth_k's mean is summed in another order): values
