@@ -5,6 +5,7 @@
 #   `sweep`:   benchmarks/bench_sage_sm90.py's whole-call, quantizer-only and kernel-only rows on those shapes
 #              (SHAPES to change them), keys with a per-channel mean;
 #   `tests`:   the GPU tests of the quantizer, the sage-sm90 and triton routes and the fast path;
+#   `compile`: benchmarks/compile_check.py (our processor under torch.compile's three uses);
 #   `e2e`:     Flux.1-dev / Qwen-Image forwards (random weights) beside stock and SageAttention2, eager and compiled.
 # Carry .whl (and .jit, .cubin-cache where earlier calls returned them):
 #   bash benchmarks/image_lengths_check.sh profile sweep
@@ -35,6 +36,8 @@ for section in "$@"; do
     timeout "${E2E_TIMEOUT:-400}" python3 -m diffusers_trtllm.bench e2e --models "${E2E_MODELS:-flux.1-dev}" --weights random \
       --configs "${E2E_CONFIGS:-stock,dense,sage-int8,stock-sage2}" --warmup 1 --iters 3 --time-limit 300 --out "$out" \
       --name "${E2E_NAME:-e2e}" --no-progress ${E2E_ARGS:-} 2>&1 | grep -v "^\s*$" | tail -30 ;;
+  compile)  # regional / max-autotune-no-cudagraphs / reduce-overhead on a small Flux, defaults and int8
+    timeout "${COMPILE_TIMEOUT:-240}" python3 benchmarks/compile_check.py --out "$out/compile_check.json" 2>&1 | grep "^{" ;;
   pack)  # the cubins built here, for the next call's carry
     tar czf "$out/cubin-cache.tar.gz" .cubin-cache 2>/dev/null; save_jit ;;
   *) echo "unknown section $section" ;;
