@@ -73,13 +73,18 @@ def test_dense_matches_reference(dim, kv_heads):
     assert rel_l1(out, _reference(q, k, v, layout).out) < 1e-2
 
 
+@pytest.mark.parametrize("launches", ["one", "per-part"])
 @pytest.mark.parametrize("dtype_qk", ["int8", "fp8_e4m3"])
 @pytest.mark.parametrize("blocks", [(1, 16, False, False), (4, 4, True, False), (16, 1, False, False),
                                     (1, 128, False, True), (4, 16, True, True)])
-def test_sage_quantization_matches_reference(dtype_qk, blocks):
-    """``blocks``: Q block, K block, ``smooth_k``, K split per thread."""
+def test_sage_quantization_matches_reference(dtype_qk, blocks, launches, monkeypatch):
+    """``blocks``: Q block, K block, ``smooth_k``, K split per thread; ``launches``: Q, K and V quantized in one
+    launch (short calls) or one launch each (long calls)."""
+    from diffusers_trtllm.kernels import triton_quant
     from diffusers_trtllm.kernels.triton_quant import sage_quantize_triton
 
+    if launches == "per-part":
+        monkeypatch.setattr(triton_quant, "QUANT_ONE_LAUNCH_TOKENS", 0)
     q, k, v, layout = _inputs(128)
     quant = QuantConfig(dtype_qk, *blocks[:3], k_per_thread=blocks[3])
     got = sage_quantize_triton(q, k, v, layout, quant)
