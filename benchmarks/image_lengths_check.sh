@@ -4,6 +4,7 @@
 #              GPU, per launch (with BASE=.base: the package copy there timed first, in the same run);
 #   `sweep`:   benchmarks/bench_sage_sm90.py's whole-call, quantizer-only and kernel-only rows on those shapes
 #              (SHAPES to change them), keys with a per-channel mean;
+#   `build`:   the sage-sm90 cubins, built in parallel ahead of the rest;
 #   `tests`:   the GPU tests of the quantizer, the sage-sm90 and triton routes and the fast path;
 #   `compile`: benchmarks/compile_check.py (our processor under torch.compile's three uses);
 #   `e2e`:     Flux.1-dev / Qwen-Image forwards (random weights) beside stock and SageAttention2, eager and compiled.
@@ -20,7 +21,7 @@ for section in "$@"; do
   case "$section" in
   profile)
     if [ -n "${BASE:-}" ]; then
-      PYTHONPATH="$BASE:$PYTHONPATH" timeout "${PROFILE_TIMEOUT:-150}" python3 benchmarks/profile_call.py --shapes "$shapes" \
+      PYTHONPATH="$BASE:$PYTHONPATH" timeout "${BASE_TIMEOUT:-150}" python3 benchmarks/profile_call.py --shapes "${BASE_SHAPES:-$shapes}" \
         --label baseline --trace-dir /tmp/traces --out "$out/profile_call.json" 2>&1 | grep -v "^    " | grep -v "^|\|^- \|^$"
     fi
     timeout "${PROFILE_TIMEOUT:-150}" python3 benchmarks/profile_call.py --shapes "$shapes" --label "${LABEL:-this}" \
@@ -29,6 +30,8 @@ for section in "$@"; do
   sweep)
     timeout "${SWEEP_TIMEOUT:-150}" python3 benchmarks/bench_sage_sm90.py --shapes "$shapes" --builds default \
       --quants k128t-smooth --k-mean 4 --target-skips "" --iters 20 --out "$out/sage_sm90_sweep.json" 2>&1 | tail -30 ;;
+  build)  # every sage-sm90 variant and the GPU tests' builds, 16 at a time (as sage_sm90_check.sh builds them)
+    timeout "${BUILD_TIMEOUT:-120}" bash benchmarks/sage_sm90_check.sh build 2>&1 | tail -3 ;;
   tests)
     timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider -x ${TESTS:-tests/test_sage_sm90_gpu.py \
       tests/test_triton_attn_gpu.py} 2>&1 | tee "$out/gpu_tests.log" | tail -8 ;;
