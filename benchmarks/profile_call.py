@@ -9,7 +9,8 @@ run, rel-L1 and cosine against fp32 dense attention on four heads; the host's wa
 while the GPU is busy (``host_us``, ``cpu_us``); for our calls the same with every GPU launch of the route replaced
 by nothing (``python_us``: our Python alone); and one ``torch.profiler`` trace of ``--trace-calls`` calls: each
 launch, its GPU time, and the GPU's idle gaps inside a call (``trace``: per call, kernels in order). ``served-*``
-calls go through the processor's custom op on a bound layer, as a Diffusers model's attention does.
+calls are the processor's on a bound layer, as a Diffusers model's eager forward makes them (``served-op-*``:
+through its custom op, as a compiled forward does).
 """
 
 from __future__ import annotations
@@ -47,12 +48,14 @@ CALLS = {
     "ours-int8-triton": {"quant": "int8", "backend": "triton", "policy": "always"},
     "served-default": {},
     "served-int8": {"quant": "int8", "policy": "always"},
+    "served-op-default": {},
 }
 
 
-def _served(kwargs: dict, q, k, v):
+def _served(kwargs: dict, q, k, v, op: bool):
     """The processor's attention call on a bound layer (tiny Flux on the GPU: the layer's state does not depend on
-    the module's size), through the custom op as a Diffusers model calls it."""
+    the module's size), as a Diffusers model's eager forward makes it (``op``: through the custom op, as a
+    compiled one does)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     import tiny_models
 
@@ -65,8 +68,10 @@ def _served(kwargs: dict, q, k, v):
     install(model, proc)
     state = layer_of(model.transformer_blocks[0].attn)
     text = 512
-    op = torch.ops.diffusers_trtllm.attention
-    return lambda: op(q, k, v, None, None, None, state.key, None, q.shape[1] - text, text, False)
+    if op:  # through the custom op, as under torch.compile
+        op = torch.ops.diffusers_trtllm.attention
+        return lambda: op(q, k, v, None, None, None, state.key, None, q.shape[1] - text, text, False)
+    return lambda: state.serve(q, k, v, None, None, None, None, q.shape[1] - text, text, False)  # as eager calls it
 
 
 def _stub_routes():
@@ -168,7 +173,7 @@ def run_shape(shape, names, k_mean, iters, trace_calls, out_dir: Path, label: st
             k_own = k.clone()  # sageattn smooths K in place
             calls[name] = lambda: sageattention.sageattn(q, k_own, v, tensor_layout="NHD", is_causal=False, sm_scale=scale)
         elif name.startswith("served-"):
-            calls[name] = _served(CALLS[name], q, k, v)
+            calls[name] = _served(CALLS[name], q, k, v, op=name.startswith("served-op-"))
         else:
             calls[name] = lambda kw=CALLS[name]: attention(q, k, v, **kw)
     rows, base = [], None

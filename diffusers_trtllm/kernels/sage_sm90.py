@@ -125,13 +125,16 @@ def build_kernels(variants: Iterable[Variant] = VARIANTS, builds: Iterable[tuple
 
 
 def _kernel(device: torch.device, variant: Variant, defines: tuple[str, ...] = ()) -> cuda_jit.CudaKernel:
-    return _loaded_kernel(device, variant, defines, os.environ.get("DIFFUSERS_TRTLLM_NVCC"))
+    return _loaded_kernel(device, variant, defines, os.environ.get("DIFFUSERS_TRTLLM_NVCC"),
+                          os.environ.get("DIFFUSERS_TRTLLM_CACHE"))
 
 
 @functools.lru_cache(maxsize=256)
-def _loaded_kernel(device: torch.device, variant: Variant, defines: tuple[str, ...], nvcc: str | None) -> cuda_jit.CudaKernel:
-    """``_kernel``'s entry point, found once per device, variant, build and ``$DIFFUSERS_TRTLLM_NVCC`` (which
-    ``find_compiler`` reads): a call of a known shape finds it without the compiler's or the cubin's lookups."""
+def _loaded_kernel(device: torch.device, variant: Variant, defines: tuple[str, ...], nvcc: str | None,
+                   cache: str | None) -> cuda_jit.CudaKernel:
+    """``_kernel``'s entry point, found once per device, variant, build, ``$DIFFUSERS_TRTLLM_NVCC`` (which
+    ``find_compiler`` reads) and ``$DIFFUSERS_TRTLLM_CACHE`` (where the cubin is): a call of a known shape finds it
+    without the compiler's or the cubin's lookups."""
     cubin = sage_sm90_cubin(variant, defines, cuda_jit.find_compiler())
     return cuda_jit.load_kernels(cubin, (variant.name,), device)[variant.name]
 

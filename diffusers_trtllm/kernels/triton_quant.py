@@ -48,7 +48,7 @@ from ..layout import PackedLayout
 from .reference import AMAX_FLOOR, FP8_MAX, KEY_MEAN_SAMPLE, block_ids, scale_slots
 
 __all__ = ["TritonSage", "sage_quantize_triton", "mma_key_column", "fp8_native", "interpreting", "round_fp8_grid", "vt_start", "max_nan", "kv_stats",
-           "KVStats", "quant_launches"]
+           "KVStats", "quant_launches", "stats_rows"]
 
 #: Tokens per Q or V program of the quantization kernel: a multiple of every Q block size (K programs take
 #: max(this, the K block): a tile starts whole blocks) and of 16 (V's key order permutes within groups of 16).
@@ -70,6 +70,11 @@ QUANT_ONE_LAUNCH_TOKENS = 2 * 16896
 V_STATS_ROWS = 512
 V_STATS_BLOCK_T = 32
 V_STATS_WARPS = 4
+#: ``kv_stats``' pass runs at least this many programs where V is short (spans of fewer tokens): at flux_1024
+#: (4,608 tokens, 24 heads) spans of 512 made 216 programs, and the pass moved 1.4 TB/s on the H100
+#: (benchmarks/results/profile_call_h100.md); and its fold takes this many spans a step.
+STATS_MIN_PROGRAMS = 2048
+STATS_SPAN_BLOCK = 16
 _AMAX_FLOOR, _FP8_MAX = tl.constexpr(AMAX_FLOOR), tl.constexpr(FP8_MAX)
 
 
@@ -314,14 +319,14 @@ def _quantize_v_rows(v_ptr, stride_t, stride_h, vt_ptr, vt_stride, v_scale_ptr, 
 
 
 @triton.jit
-def _kv_stats_kernel(k_ptr, k_stride_t, k_stride_h, v_ptr, stride_t, stride_h, k_sum_ptr, sum_ptr, min_ptr, max_ptr,
-                     tokens, rows_per_program, k_step, HKV: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
-                     SMOOTH_K: tl.constexpr):
+def _kv_stats_kernel(k_ptr, k_stride_t, k_stride_h, v_ptr, stride_t, stride_h, parts_ptr, tokens, rows_per_program,
+                     k_step, spans, HKV: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, SMOOTH_K: tl.constexpr):
     """One (span of ``rows_per_program`` tokens, head) of V: its per-channel sum, min and max (NaN kept), and with
     ``SMOOTH_K`` the sum of K's sampled rows (every ``k_step``-th key, ``reference.key_mean``'s), in slot
-    ``[span, head]`` of the partials ``_kv_stats_finish`` folds. Each thread keeps its own elements' running sums and
-    extremes, reduced across the tile once at the end: a reduction over the tokens per step (through shared
-    memory) took longer than the pass itself. K's rows left out of the sample are masked, so they are not read."""
+    ``[span, head]`` of the partials ``[4 (V's sum, min, max, K's sum), spans, heads, dim]`` that ``_kv_stats_finish``
+    folds. Each thread keeps its own elements' running sums and extremes, reduced across the tile once at the end: a
+    reduction over the tokens per step (through shared memory) took longer than the pass itself. K's rows left out
+    of the sample are masked, so they are not read."""
     span = tl.program_id(0)
     head = tl.program_id(1)
     dims = tl.arange(0, D)
@@ -344,42 +349,49 @@ def _kv_stats_kernel(k_ptr, k_stride_t, k_stride_h, v_ptr, stride_t, stride_h, k
             k_total += tl.load(k_ptr + rows[:, None].to(tl.int64) * k_stride_t + head * k_stride_h + dims[None, :],
                                mask=sampled, other=0.0).to(tl.float32)
     slot = (span * HKV + head) * D + dims
-    tl.store(sum_ptr + slot, tl.sum(total, 0))
-    tl.store(min_ptr + slot, -max_nan(-lo, 0))
-    tl.store(max_ptr + slot, max_nan(hi, 0))
+    plane = spans * HKV * D
+    tl.store(parts_ptr + slot, tl.sum(total, 0))
+    tl.store(parts_ptr + plane + slot, -max_nan(-lo, 0))
+    tl.store(parts_ptr + 2 * plane + slot, max_nan(hi, 0))
     if SMOOTH_K:
-        tl.store(k_sum_ptr + slot, tl.sum(k_total, 0))
+        tl.store(parts_ptr + 3 * plane + slot, tl.sum(k_total, 0))
 
 
 @triton.jit
-def _kv_stats_finish(k_sum_ptr, sum_ptr, min_ptr, max_ptr, k_mean_ptr, v_mean_ptr, v_min_ptr, v_max_ptr, v_scale_ptr,
-                     spans, tokens, k_count, HKV: tl.constexpr, D: tl.constexpr, SMOOTH_K: tl.constexpr):
-    """One head: the spans' partials folded in span order into V's mean, min, max and channel scales, and K's
-    sampled mean (0 in a channel whose mean is not finite, as ``reference.key_mean``)."""
+def _kv_stats_finish(parts_ptr, stats_ptr, spans, tokens, k_count, HKV: tl.constexpr, D: tl.constexpr,
+                     SPAN_BLOCK: tl.constexpr, SMOOTH_K: tl.constexpr):
+    """One head: the spans' partials folded, ``SPAN_BLOCK`` spans a step, into ``[5 (K's sampled mean, V's mean,
+    min, max, channel scales), heads, dim]``; K's mean is 0 in a channel where it is not finite, as
+    ``reference.key_mean``'s."""
     head = tl.program_id(0)
     dims = tl.arange(0, D)
+    plane = spans * HKV * D
     total = tl.zeros((D,), tl.float32)
     k_total = tl.zeros((D,), tl.float32)
     lo = tl.full((D,), float("inf"), tl.float32)
     hi = tl.full((D,), float("-inf"), tl.float32)
-    for span in range(0, spans):
-        slot = (span * HKV + head) * D + dims
-        total += tl.load(sum_ptr + slot)
-        lo = tl.minimum(lo, tl.load(min_ptr + slot), propagate_nan=tl.PropagateNan.ALL)
-        hi = _maximum_nan(hi, tl.load(max_ptr + slot))
+    for first in range(0, spans, SPAN_BLOCK):
+        rows = first + tl.arange(0, SPAN_BLOCK)
+        ok = (rows < spans)[:, None]
+        slot = (rows[:, None] * HKV + head) * D + dims[None, :]
+        total += tl.sum(tl.load(parts_ptr + slot, mask=ok, other=0.0), 0)
+        lo = tl.minimum(lo, -max_nan(-tl.load(parts_ptr + plane + slot, mask=ok, other=float("inf")), 0),
+                        propagate_nan=tl.PropagateNan.ALL)
+        hi = _maximum_nan(hi, max_nan(tl.load(parts_ptr + 2 * plane + slot, mask=ok, other=float("-inf")), 0))
         if SMOOTH_K:
-            k_total += tl.load(k_sum_ptr + slot)
+            k_total += tl.sum(tl.load(parts_ptr + 3 * plane + slot, mask=ok, other=0.0), 0)
     mean = tl.math.div_rn(total, tokens.to(tl.float32))
     out = head * D + dims
-    tl.store(v_mean_ptr + out, mean)
-    tl.store(v_min_ptr + out, lo)
-    tl.store(v_max_ptr + out, hi)
+    stats_plane = HKV * D
+    tl.store(stats_ptr + stats_plane + out, mean)
+    tl.store(stats_ptr + 2 * stats_plane + out, lo)
+    tl.store(stats_ptr + 3 * stats_plane + out, hi)
     # max |fl(x - mean)| over V is max(fl(max - mean), fl(mean - min)) exactly (rounding is monotone and symmetric)
-    tl.store(v_scale_ptr + out, _amax_scale(_maximum_nan(hi - mean, mean - lo), _FP8_MAX))
+    tl.store(stats_ptr + 4 * stats_plane + out, _amax_scale(_maximum_nan(hi - mean, mean - lo), _FP8_MAX))
     if SMOOTH_K:
         k_mean = tl.math.div_rn(k_total, k_count.to(tl.float32))
         finite = tl.abs(k_mean) < float("inf")  # (False for NaN too)
-        tl.store(k_mean_ptr + out, tl.where(finite, k_mean, 0.0))
+        tl.store(stats_ptr + out, tl.where(finite, k_mean, 0.0))
 
 
 @dataclass
@@ -394,22 +406,30 @@ class KVStats:
     v_scale: torch.Tensor
 
 
+def stats_rows(tokens: int, kv_heads: int) -> int:
+    """Tokens per program of ``kv_stats``' pass: ``V_STATS_ROWS``, or fewer (whole steps of ``V_STATS_BLOCK_T``)
+    where that would leave fewer than ``STATS_MIN_PROGRAMS`` programs to fill the GPU."""
+    rows = triton.cdiv(triton.cdiv(tokens * kv_heads, STATS_MIN_PROGRAMS), V_STATS_BLOCK_T) * V_STATS_BLOCK_T
+    return min(V_STATS_ROWS, max(V_STATS_BLOCK_T, rows))
+
+
 def kv_stats(k: torch.Tensor, v: torch.Tensor, smooth_k: bool) -> KVStats:
     """``KVStats`` of packed ``[tokens, kv_heads, dim]`` K and V in two launches: one pass over V (and K's sample),
-    partial sums and extremes per span of ``V_STATS_ROWS`` tokens, then their fold per head. V's mean is
+    partial sums and extremes per span of tokens, then their fold per head. V's mean is
     ``reference.channel_mean``'s and K's ``reference.key_mean``'s up to fp32 rounding (summed in spans), not bit
     for bit (``reference.sage_quantize`` takes both as given)."""
     tokens, kv_heads, dim = v.shape
-    spans = triton.cdiv(tokens, V_STATS_ROWS)
+    rows = stats_rows(tokens, kv_heads)
+    spans = triton.cdiv(tokens, rows)
     k_step = max(1, tokens // KEY_MEAN_SAMPLE)
     parts = torch.empty(4, spans, kv_heads, dim, dtype=torch.float32, device=v.device)
     stats = torch.empty(5, kv_heads, dim, dtype=torch.float32, device=v.device)
-    _kv_stats_kernel[(spans, kv_heads)](k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1), *parts, tokens,
-                                        V_STATS_ROWS, k_step, HKV=kv_heads, D=dim, BLOCK_T=V_STATS_BLOCK_T,
-                                        SMOOTH_K=smooth_k, num_warps=V_STATS_WARPS)
-    _kv_stats_finish[(kv_heads,)](*parts, *stats, spans, tokens, triton.cdiv(tokens, k_step), HKV=kv_heads, D=dim,
-                                  SMOOTH_K=smooth_k, num_warps=4)
-    k_mean, v_mean, v_min, v_max, v_scale = stats
+    _kv_stats_kernel[(spans, kv_heads)](k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1), parts, tokens, rows,
+                                        k_step, spans, HKV=kv_heads, D=dim, BLOCK_T=V_STATS_BLOCK_T, SMOOTH_K=smooth_k,
+                                        num_warps=V_STATS_WARPS)
+    _kv_stats_finish[(kv_heads,)](parts, stats, spans, tokens, triton.cdiv(tokens, k_step), HKV=kv_heads, D=dim,
+                                  SPAN_BLOCK=STATS_SPAN_BLOCK, SMOOTH_K=smooth_k, num_warps=4)
+    k_mean, v_mean, v_min, v_max, v_scale = stats.unbind(0)
     return KVStats(k_mean if smooth_k else None, v_mean, v_min, v_max, v_scale)
 
 
