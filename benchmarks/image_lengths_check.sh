@@ -2,6 +2,7 @@
 # Device calls of issue 57 (attention at image-model lengths, 4-16k tokens), by section; results under $OUT.
 #   `profile`: benchmarks/profile_call.py on flux_1024 and Flux 2048² (16,896 tokens): each call's time, host and
 #              GPU, per launch (with BASE=.base: the package copy there timed first, in the same run);
+#   `long`:    the same on wan_14b_480p (LONG_SHAPES), four calls, this copy beside BASE's;
 #   `sweep`:   benchmarks/bench_sage_sm90.py's whole-call, quantizer-only and kernel-only rows on those shapes
 #              (SHAPES to change them), keys with a per-channel mean;
 #   `build`:   the sage-sm90 cubins, built in parallel ahead of the rest;
@@ -27,6 +28,13 @@ for section in "$@"; do
     timeout "${PROFILE_TIMEOUT:-150}" python3 benchmarks/profile_call.py --shapes "$shapes" --label "${LABEL:-this}" \
       --trace-dir /tmp/traces --out "$out/profile_call.json" 2>&1 | grep -v "^|\|^- \|^$"
     tar czf "$out/traces.tar.gz" -C /tmp traces ;;
+  long)  # the long rows (wan_14b_480p): cuDNN, SageAttention2, our default and int8, this copy beside BASE's
+    long_calls=cudnn,sageattn,ours-default,ours-int8-sage-sm90
+    for label in ${BASE:+baseline} this; do
+      PYTHONPATH="$([ "$label" = baseline ] && echo "$BASE:")$PYTHONPATH" timeout "${LONG_TIMEOUT:-80}" \
+        python3 benchmarks/profile_call.py --shapes "${LONG_SHAPES:-wan_14b_480p}" --calls "$long_calls" --iters 10 \
+        --trace-calls 2 --label "$label" --out "$out/profile_call_long.json" 2>&1 | grep -v "^    \|^|\|^- \|^$"
+    done ;;
   sweep)
     timeout "${SWEEP_TIMEOUT:-150}" python3 benchmarks/bench_sage_sm90.py --shapes "$shapes" --builds default \
       --quants k128t-smooth --k-mean 4 --target-skips "" --iters 20 --out "$out/sage_sm90_sweep.json" 2>&1 | tail -30 ;;

@@ -195,7 +195,9 @@ def register_route(route: Route) -> Route:
 
 
 def registry_epoch() -> int:
-    """Changes whenever a route is registered: decisions cached before it (``attention._PLANS``) no longer hold."""
+    """Changes whenever a route is registered (the built-in ones loaded first): decisions cached before it
+    (``attention._PLANS``) no longer hold."""
+    load_routes()
     return _EPOCH[0]
 
 
