@@ -25,7 +25,7 @@ for section in "$@"; do
       PYTHONPATH="$BASE:$PYTHONPATH" timeout "${BASE_TIMEOUT:-150}" python3 benchmarks/profile_call.py --shapes "${BASE_SHAPES:-$shapes}" \
         --label baseline --trace-dir /tmp/traces --out "$out/profile_call.json" 2>&1 | grep -v "^    " | grep -v "^|\|^- \|^$"
     fi
-    timeout "${PROFILE_TIMEOUT:-150}" python3 benchmarks/profile_call.py --shapes "$shapes" --label "${LABEL:-this}" \
+    timeout "${PROFILE_TIMEOUT:-150}" python3 benchmarks/profile_call.py --shapes "$shapes" --label "${LABEL:-this}" ${CALLS:+--calls "$CALLS"} \
       --trace-dir /tmp/traces --out "$out/profile_call.json" 2>&1 | grep -v "^|\|^- \|^$"
     tar czf "$out/traces.tar.gz" -C /tmp traces ;;
   long)  # the long rows (wan_14b_480p): cuDNN, SageAttention2, our default and int8, this copy beside BASE's
@@ -48,7 +48,8 @@ for section in "$@"; do
       --configs "${E2E_CONFIGS:-stock,dense,sage-int8,stock-sage2}" --warmup 1 --iters 3 --time-limit 300 --out "$out" \
       --name "${E2E_NAME:-e2e}" --no-progress ${E2E_ARGS:-} 2>&1 | grep -v "^\s*$" | tail -30 ;;
   compile)  # regional / max-autotune-no-cudagraphs / reduce-overhead on a small Flux, defaults and int8
-    timeout "${COMPILE_TIMEOUT:-240}" python3 benchmarks/compile_check.py --out "$out/compile_check.json" 2>&1 | grep "^{" ;;
+    timeout "${COMPILE_TIMEOUT:-240}" python3 benchmarks/compile_check.py --settings "${COMPILE_SETTINGS:-defaults,int8}" \
+      --out "$out/compile_check.json" 2>&1 | grep "^{" ;;
   pack)  # the cubins built here, for the next call's carry
     tar czf "$out/cubin-cache.tar.gz" .cubin-cache 2>/dev/null; save_jit ;;
   *) echo "unknown section $section" ;;
