@@ -36,7 +36,7 @@ def small_flux(tokens: int = 1024, text: int = 128):
                                    pooled_projection_dim=64, axes_dims_rope=[16, 56, 56]).to("cuda", torch.bfloat16).eval()
     g = torch.Generator("cuda").manual_seed(1)
     side = int(tokens**0.5)
-    img_ids = torch.stack(torch.meshgrid(torch.zeros(1), torch.arange(side), torch.arange(side), indexing="ij"), -1)
+    img_ids = torch.stack(torch.meshgrid(torch.zeros(1), torch.arange(side).float(), torch.arange(side).float(), indexing="ij"), -1)
     inputs = dict(hidden_states=torch.randn(1, tokens, 64, device="cuda", dtype=torch.bfloat16, generator=g),
                   encoder_hidden_states=torch.randn(1, text, 256, device="cuda", dtype=torch.bfloat16, generator=g),
                   pooled_projections=torch.randn(1, 64, device="cuda", dtype=torch.bfloat16, generator=g),

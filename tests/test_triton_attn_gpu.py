@@ -193,8 +193,8 @@ def test_route_is_auto_for_sage_on_this_gpu():
     q, k, v, layout = _inputs(128)
     call = AttentionCall(q, k, v, layout, softmax_scale=128**-0.5, quant=QC("int8"))
     route = select_route(call)
-    if device_sm(q.device) < 100:
-        assert route.name == "triton"
+    if device_sm(q.device) < 90:
+        assert route.name == "triton"  # (on SM90 the sage-sm90 kernel ranks first: test_sage_sm90_gpu.py)
     res = route.run(call)
     assert res.out.shape == q.shape and torch.isfinite(res.out.float()).all()
 
