@@ -98,7 +98,7 @@ def _assert_v_mean_close(v_mean, v):
 
 
 def _check_kv_stats():
-    """``kv_stats`` over several spans (the last one ragged, folded a few at a time) and a strided K and V: V's min and max are torch's
+    """``kv_stats`` over several spans (the last one ragged) and a strided K and V: V's min and max are torch's
     exactly, NaN and inf kept, its channel scales the reference's, the means ``channel_mean``'s and ``key_mean``'s
     (a sample of every other key) up to rounding, 0 where K's is not finite."""
     from diffusers_trtllm.kernels import triton_quant
@@ -109,14 +109,13 @@ def _check_kv_stats():
     k = (torch.randn(3 * 70 + 11, 3, 64, generator=gen) * 3 - 1).half()[:, 1:]
     v[7, 0, 3], v[100, 1, 9], v[150, 1, 10] = math.nan, math.inf, -math.inf
     k[4, 1, 5] = math.inf  # a sampled key (every other one)
-    saved = triton_quant.STATS_SPAN_BLOCK, triton_quant.KEY_MEAN_SAMPLE
-    triton_quant.STATS_SPAN_BLOCK, triton_quant.KEY_MEAN_SAMPLE = 2, 100  # 7 spans of 32 keys, folded 2 at a time
+    saved = triton_quant.V_STATS_ROWS, triton_quant.KEY_MEAN_SAMPLE
+    triton_quant.V_STATS_ROWS, triton_quant.KEY_MEAN_SAMPLE = 70, 100  # 4 spans, the last ragged; every other key
     try:
-        assert triton_quant.stats_rows(len(v), 2) == 32
         stats = triton_quant.kv_stats(k, v, True)
         sample = k[::2]
     finally:
-        triton_quant.STATS_SPAN_BLOCK, triton_quant.KEY_MEAN_SAMPLE = saved
+        triton_quant.V_STATS_ROWS, triton_quant.KEY_MEAN_SAMPLE = saved
     want_lo, want_hi = torch.aminmax(v.float(), dim=0)
     torch.testing.assert_close(stats.v_min, want_lo, rtol=0, atol=0, equal_nan=True)
     torch.testing.assert_close(stats.v_max, want_hi, rtol=0, atol=0, equal_nan=True)

@@ -48,7 +48,7 @@ from ..layout import PackedLayout
 from .reference import AMAX_FLOOR, FP8_MAX, KEY_MEAN_SAMPLE, block_ids, scale_slots
 
 __all__ = ["TritonSage", "sage_quantize_triton", "mma_key_column", "fp8_native", "interpreting", "round_fp8_grid", "vt_start", "max_nan", "kv_stats",
-           "KVStats", "quant_launches", "stats_rows"]
+           "KVStats", "quant_launches"]
 
 #: Tokens per Q or V program of the quantization kernel: a multiple of every Q block size (K programs take
 #: max(this, the K block): a tile starts whole blocks) and of 16 (V's key order permutes within groups of 16).
@@ -70,11 +70,9 @@ QUANT_ONE_LAUNCH_TOKENS = 2 * 16896
 V_STATS_ROWS = 512
 V_STATS_BLOCK_T = 32
 V_STATS_WARPS = 4
-#: ``kv_stats``' pass runs at least this many programs where V is short (spans of fewer tokens): at flux_1024
-#: (4,608 tokens, 24 heads) spans of 512 made 216 programs, and the pass moved 1.4 TB/s on the H100
-#: (benchmarks/results/profile_call_h100.md); and its fold takes this many spans a step.
-STATS_MIN_PROGRAMS = 2048
-STATS_SPAN_BLOCK = 16
+#: (Spans of fewer tokens on short V, at least 2,048 programs, and a fold 16 spans a step, measured slower on an
+#: H100: 57 + 28 us against 40 + 3 us at flux_1024, 100 + 29 us against 81 + 10 us at 16,896 tokens;
+#: benchmarks/results/profile_call_h100_run2.md against _run1.md.)
 _AMAX_FLOOR, _FP8_MAX = tl.constexpr(AMAX_FLOOR), tl.constexpr(FP8_MAX)
 
 
@@ -359,10 +357,9 @@ def _kv_stats_kernel(k_ptr, k_stride_t, k_stride_h, v_ptr, stride_t, stride_h, p
 
 @triton.jit
 def _kv_stats_finish(parts_ptr, stats_ptr, spans, tokens, k_count, HKV: tl.constexpr, D: tl.constexpr,
-                     SPAN_BLOCK: tl.constexpr, SMOOTH_K: tl.constexpr):
-    """One head: the spans' partials folded, ``SPAN_BLOCK`` spans a step, into ``[5 (K's sampled mean, V's mean,
-    min, max, channel scales), heads, dim]``; K's mean is 0 in a channel where it is not finite, as
-    ``reference.key_mean``'s."""
+                     SMOOTH_K: tl.constexpr):
+    """One head: the spans' partials folded in span order into ``[5 (K's sampled mean, V's mean, min, max, channel
+    scales), heads, dim]``; K's mean is 0 in a channel where it is not finite, as ``reference.key_mean``'s."""
     head = tl.program_id(0)
     dims = tl.arange(0, D)
     plane = spans * HKV * D
@@ -370,16 +367,13 @@ def _kv_stats_finish(parts_ptr, stats_ptr, spans, tokens, k_count, HKV: tl.const
     k_total = tl.zeros((D,), tl.float32)
     lo = tl.full((D,), float("inf"), tl.float32)
     hi = tl.full((D,), float("-inf"), tl.float32)
-    for first in range(0, spans, SPAN_BLOCK):
-        rows = first + tl.arange(0, SPAN_BLOCK)
-        ok = (rows < spans)[:, None]
-        slot = (rows[:, None] * HKV + head) * D + dims[None, :]
-        total += tl.sum(tl.load(parts_ptr + slot, mask=ok, other=0.0), 0)
-        lo = tl.minimum(lo, -max_nan(-tl.load(parts_ptr + plane + slot, mask=ok, other=float("inf")), 0),
-                        propagate_nan=tl.PropagateNan.ALL)
-        hi = _maximum_nan(hi, max_nan(tl.load(parts_ptr + 2 * plane + slot, mask=ok, other=float("-inf")), 0))
+    for span in range(0, spans):
+        slot = (span * HKV + head) * D + dims
+        total += tl.load(parts_ptr + slot)
+        lo = tl.minimum(lo, tl.load(parts_ptr + plane + slot), propagate_nan=tl.PropagateNan.ALL)
+        hi = _maximum_nan(hi, tl.load(parts_ptr + 2 * plane + slot))
         if SMOOTH_K:
-            k_total += tl.sum(tl.load(parts_ptr + 3 * plane + slot, mask=ok, other=0.0), 0)
+            k_total += tl.load(parts_ptr + 3 * plane + slot)
     mean = tl.math.div_rn(total, tokens.to(tl.float32))
     out = head * D + dims
     stats_plane = HKV * D
@@ -406,29 +400,21 @@ class KVStats:
     v_scale: torch.Tensor
 
 
-def stats_rows(tokens: int, kv_heads: int) -> int:
-    """Tokens per program of ``kv_stats``' pass: ``V_STATS_ROWS``, or fewer (whole steps of ``V_STATS_BLOCK_T``)
-    where that would leave fewer than ``STATS_MIN_PROGRAMS`` programs to fill the GPU."""
-    rows = triton.cdiv(triton.cdiv(tokens * kv_heads, STATS_MIN_PROGRAMS), V_STATS_BLOCK_T) * V_STATS_BLOCK_T
-    return min(V_STATS_ROWS, max(V_STATS_BLOCK_T, rows))
-
-
 def kv_stats(k: torch.Tensor, v: torch.Tensor, smooth_k: bool) -> KVStats:
     """``KVStats`` of packed ``[tokens, kv_heads, dim]`` K and V in two launches: one pass over V (and K's sample),
-    partial sums and extremes per span of tokens, then their fold per head. V's mean is
+    partial sums and extremes per span of ``V_STATS_ROWS`` tokens, then their fold per head. V's mean is
     ``reference.channel_mean``'s and K's ``reference.key_mean``'s up to fp32 rounding (summed in spans), not bit
     for bit (``reference.sage_quantize`` takes both as given)."""
     tokens, kv_heads, dim = v.shape
-    rows = stats_rows(tokens, kv_heads)
-    spans = triton.cdiv(tokens, rows)
+    spans = triton.cdiv(tokens, V_STATS_ROWS)
     k_step = max(1, tokens // KEY_MEAN_SAMPLE)
     parts = torch.empty(4, spans, kv_heads, dim, dtype=torch.float32, device=v.device)
     stats = torch.empty(5, kv_heads, dim, dtype=torch.float32, device=v.device)
-    _kv_stats_kernel[(spans, kv_heads)](k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1), parts, tokens, rows,
-                                        k_step, spans, HKV=kv_heads, D=dim, BLOCK_T=V_STATS_BLOCK_T, SMOOTH_K=smooth_k,
-                                        num_warps=V_STATS_WARPS)
+    _kv_stats_kernel[(spans, kv_heads)](k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1), parts, tokens,
+                                        V_STATS_ROWS, k_step, spans, HKV=kv_heads, D=dim, BLOCK_T=V_STATS_BLOCK_T,
+                                        SMOOTH_K=smooth_k, num_warps=V_STATS_WARPS)
     _kv_stats_finish[(kv_heads,)](parts, stats, spans, tokens, triton.cdiv(tokens, k_step), HKV=kv_heads, D=dim,
-                                  SPAN_BLOCK=STATS_SPAN_BLOCK, SMOOTH_K=smooth_k, num_warps=4)
+                                  SMOOTH_K=smooth_k, num_warps=4)
     k_mean, v_mean, v_min, v_max, v_scale = stats.unbind(0)
     return KVStats(k_mean if smooth_k else None, v_mean, v_min, v_max, v_scale)
 
