@@ -8,7 +8,7 @@ bit (the layout does not depend on them). ``--baseline FILE[,FILE]`` times other
 beside them (an earlier commit's, ``git show REV:diffusers_trtllm/kernels/triton_quant.py > FILE``), their
 output checked the same way. ``copy ms`` is torch copying Q, K and V once (reads and writes of the quantizer's
 input size): the memory floor. ``ms`` includes what the quantizer runs before its launches: K's sampled mean and
-``v_stats``' one pass for V's mean, min and max, timed alone per ``v_stats`` setting in a second table beside
+``kv_stats``' pass for V's mean, min and max and K's mean, timed alone per ``kv_stats`` setting in a second table beside
 the same statistics by torch's reductions (one pass for V's mean, one for its min and max). ``differ`` counts
 the output values (and scales) not bit-equal to the default setting's: 0 for every setting; a baseline whose V
 mean is summed in another order may move a few fp8 values of V by a rounding step.
@@ -69,7 +69,7 @@ def run_shape(shape, grid: list[tuple], stats_grid: list[tuple[int, ...]], iters
     base = dict(shape=shape.name, k_block=k_block, copy_ms=time(lambda: [x.clone() for x in (q, k, v)]),
                 torch_stats_ms=time(lambda: (key_mean(k), channel_mean(v), torch.aminmax(v, dim=0))))
     rows = [dict(base, table="stats", **dict(zip(STATS_SETTINGS, setting)), default=setting == _current(STATS_SETTINGS),
-                 ms=_with(STATS_SETTINGS, setting, lambda: time(lambda: (key_mean(k), triton_quant.v_stats(v)))))
+                 ms=_with(STATS_SETTINGS, setting, lambda: time(lambda: triton_quant.kv_stats(k, v, True))))
             for setting in stats_grid]
     candidates = [(dict(zip(SETTINGS, setting), default=setting == _current(SETTINGS)), setting, None) for setting in grid]
     candidates += [(dict(zip(SETTINGS, (name,) * len(SETTINGS)), default=False), None, module)
@@ -131,7 +131,7 @@ def main() -> None:
     p.add_argument("--block-t", default="64,128", help="tokens per Q/V program (multiples of 16)")
     p.add_argument("--warps", default="4,8", help="warps per program of --block-t tokens")
     p.add_argument("--launches", default="qkv;q,k,v", help="';'-separated launch plans, each the parts of each launch")
-    p.add_argument("--stats", default="16x4,32x4,32x8", help="v_stats settings, tokens per step x warps")
+    p.add_argument("--stats", default="16x4,32x4,32x8", help="kv_stats settings, tokens per step x warps")
     p.add_argument("--k-blocks", default="16,128", help="SAGE k_block_size values (128: K tiles of 128 tokens)")
     p.add_argument("--baseline", default="", help="other triton_quant.py files (comma-separated) to time beside these")
     p.add_argument("--iters", type=int, default=20)

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Collection
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 import torch
 
 from ._logging import warn_once
 from .config import DEFAULT_K_BLOCK, ControlTypeError, QuantConfig, SkipSoftmaxConfig
-from .layout import LayoutCache, PackedLayout, key_padding_mask
+from .layout import LayoutCache, PackedLayout, _bounded_put, key_padding_mask
 from .routing import AttentionCall, AttentionResult, NoRouteError, get_route, select_route
+from .routing.registry import Route, registry_epoch
 from .routing.policy import apply_policy
 
 __all__ = ["attention", "run_attention", "check_tensors", "check_tensor_layout", "resolve_skip_factor", "resolve_quant",
@@ -52,9 +53,8 @@ def resolve_skip_factor(
         warn_once(
             ("no-timestep",),
             "skip-softmax: disabled_until_timestep=%s is set but no denoising timestep is known (first seen on "
-            "attention role %r), so attention stays dense. Install the processor on the transformer "
-            "(transformer.set_attn_processor(proc) or install(pipe, proc): its timestep is read every step), or "
-            "publish t yourself: proc.set_timestep(t) or attach_denoise_tracking(pipe, proc) in a custom loop.",
+            "attention role %r), so attention stays dense. Publish it with DenoiseStepCallback (pipe(..., "
+            "callback_on_step_end=DenoiseStepCallback(proc))) or attach_denoise_tracking(pipe, proc).",
             skip.disabled_until_timestep,
             role,
         )
@@ -213,17 +213,84 @@ def run_attention(
     ``attn_mask`` and ``layout`` do not depend on ``tensor_layout``; ``result.lse`` follows it (``[batch, heads,
     q_tokens]`` for ``"HND"``).
     """
-    check_route_choice(backend, fallback)
     check_tensor_layout(tensor_layout)
-    check_tensors(query, key, value, tensor_layout)
-    heads_first = tensor_layout == "HND"
-    if heads_first:
+    if tensor_layout == "HND":  # checked as passed (errors name the caller's shapes), then run as NHD views
+        check_tensors(query, key, value, tensor_layout)
         query, key, value = (x.transpose(1, 2) for x in (query, key, value))
+    out, result = _run_nhd(query, key, value, attn_mask, layout, softmax_scale, skip, quant, timestep, backend, fallback,
+                           role, collect_stats, layout_cache, policy, honour, return_lse, kv_shards, stock)
+    if tensor_layout == "HND":
+        out = out.transpose(1, 2)
+        if result.lse is not None:
+            result.lse = result.lse.transpose(1, 2)
+    return out, result
+
+
+def _run_nhd(query, key, value, attn_mask, layout, softmax_scale, skip, quant, timestep, backend, fallback, role,
+             collect_stats, layout_cache, policy, honour, return_lse, kv_shards,
+             stock) -> tuple[torch.Tensor, AttentionResult]:
+    """``run_attention`` on ``[batch, tokens, heads, dim]`` tensors: a call of known shapes and settings reuses its
+    plan (``_PLANS``), any other is decided afresh."""
     _check_scalars(softmax_scale, timestep)
     skip = SkipSoftmaxConfig.coerce(skip)
-    quant = QuantConfig.coerce(quant)
+    if attn_mask is None and type(query) is type(key) is type(value) is torch.Tensor and key.ndim == 4:
+        kv_len = layout.max_seqlen_kv if layout is not None else key.shape[1]
+        factor = resolve_skip_factor(skip, kv_len, timestep, role, kv_shards)
+        try:
+            plan_key = (query.shape, key.shape, value.shape, query.dtype, key.dtype, value.dtype, query.device,
+                        key.device, value.device, id(layout), softmax_scale, skip, quant, factor is None, backend,
+                        fallback, role, collect_stats, policy, frozenset(honour), return_lse, kv_shards, stock is None,
+                        registry_epoch())
+            plan = _PLANS.get(plan_key)
+        except TypeError:  # an unhashable setting (a dict): decided afresh
+            plan_key = plan = None
+        if plan is None or (layout is not None and plan.layout is not layout):
+            plan = _decide(query, key, value, None, layout, softmax_scale, skip, factor, quant, backend, fallback,
+                           role, collect_stats, policy, honour, return_lse, kv_shards, stock is not None, None)
+            if plan_key is not None:
+                _bounded_put(_PLANS, plan_key, plan, _PLANS_MAX)
+        return _execute(plan, query, key, value, factor, stock)
     if layout is not None and attn_mask is not None:
         raise ValueError("pass attn_mask or layout, not both.")
+    if layout is None:
+        check_tensors(query, key, value)
+        layout = build_layout(query, key, attn_mask, layout_cache)
+    factor = resolve_skip_factor(skip, layout.max_seqlen_kv, timestep, role, kv_shards)
+    plan = _decide(query, key, value, attn_mask, layout, softmax_scale, skip, factor, quant, backend, fallback, role,
+                   collect_stats, policy, honour, return_lse, kv_shards, stock is not None, layout_cache)
+    return _execute(plan, query, key, value, factor, stock)
+
+
+#: What a call's settings and shapes decide (``_decide``), by everything that decision reads but the tensors'
+#: values: an unmasked call of a known shape and settings skips the checks, the layout, the policy and the route's
+#: choice, all pure functions of those (a route registered later changes ``registry_epoch``).
+_PLANS: dict[tuple, "_Plan"] = {}
+_PLANS_MAX = 1024
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """A decided call: its layout, the request the policy kept (skip on or off, SAGE settings), the route that
+    runs it (None: the caller's stock call), the policy's note."""
+
+    layout: PackedLayout
+    softmax_scale: float
+    skip: bool
+    quant: QuantConfig | None
+    route: Route | None
+    note: str | None
+    collect_stats: bool
+    role: str
+    return_lse: bool
+    kv_shards: int
+
+
+def _decide(query, key, value, attn_mask, layout, softmax_scale, skip, factor, quant, backend, fallback, role,
+            collect_stats, policy, honour, return_lse, kv_shards, has_stock, layout_cache) -> _Plan:
+    """Check the call, and choose its layout, what the policy keeps of the request and the route (``run_attention``)."""
+    check_route_choice(backend, fallback)
+    check_tensors(query, key, value)
+    quant = QuantConfig.coerce(quant)
     if layout is None:
         layout = build_layout(query, key, attn_mask, layout_cache)
     else:
@@ -235,7 +302,7 @@ def run_attention(
         v=layout.pack_kv(value),
         layout=layout,
         softmax_scale=scale,
-        skip_factor=resolve_skip_factor(skip, layout.max_seqlen_kv, timestep, role, kv_shards),
+        skip_factor=factor,
         quant=resolve_quant(quant, layout, role),
         collect_stats=collect_stats,
         role=role,
@@ -264,16 +331,27 @@ def run_attention(
             _why_not(err),
         )
         call = dense
-    if route.name == "sdpa" and stock is not None and call.skip_factor is None and call.quant is None and not return_lse:
+    dense_call = call.skip_factor is None and call.quant is None
+    stock = route.name == "sdpa" and has_stock and dense_call and not return_lse
+    return _Plan(layout, scale, call.skip_factor is not None, call.quant, None if stock else route,
+                 decision.note or (STOCK_SDPA_NOTE if stock else None), collect_stats, role, return_lse, kv_shards)
+
+
+def _execute(plan: _Plan, query, key, value, factor: float | None,
+             stock: Callable[[], torch.Tensor] | None) -> tuple[torch.Tensor, AttentionResult]:
+    """Run a decided call on these tensors (``factor``: this call's skip factor, where the plan keeps skip)."""
+    if plan.route is None:
         out = stock()
-        return out, AttentionResult(out, route.name, note=decision.note or STOCK_SDPA_NOTE)
-    result = route.run(call)
-    result.sparse, result.sage, result.note = call.skip_factor is not None, call.quant is not None, decision.note
+        return out, AttentionResult(out, "sdpa", note=plan.note)
+    layout = plan.layout
+    call = AttentionCall(layout.pack_q(query), layout.pack_kv(key), layout.pack_kv(value), layout, plan.softmax_scale,
+                         factor if plan.skip else None, plan.quant, plan.collect_stats, plan.role, plan.return_lse,
+                         plan.kv_shards)
+    result = plan.route.run(call)
+    result.sparse, result.sage, result.note = plan.skip, plan.quant is not None, plan.note
     if result.lse is not None:
         result.lse = layout.unpack_q(result.lse[..., None])[..., 0]
-        result.lse = result.lse.transpose(1, 2) if heads_first else result.lse
-    out = layout.unpack_q(result.out)
-    return (out.transpose(1, 2) if heads_first else out), result
+    return layout.unpack_q(result.out), result
 
 
 def _why_not(err: NoRouteError) -> str:

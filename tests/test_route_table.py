@@ -6,7 +6,8 @@ where the three agree, ``-`` for no route) was first written by this file's harn
 route order moved into one function, and is written again (``python tests/test_route_table.py``) only
 when a rank changes on purpose, the diff reviewed: since then, int8 SAGE on SM90 with long keys takes
 ``sage-sm90`` (16 rows), and under the policy from 32,760 keys on, where it runs dense no longer (8 rows);
-since it returns the log-sum-exp, a ring shard's int8 SAGE takes it as one GPU's does (16 rows). Devices are faked (an SM number for a CUDA device; FlashInfer importable with its
+since it returns the log-sum-exp, a ring shard's int8 SAGE takes it as one GPU's does (16 rows); since issue 57
+(its quantizer's launches cut), int8 SAGE on SM90 takes ``sage-sm90`` at short keys too (40 rows). Devices are faked (an SM number for a CUDA device; FlashInfer importable with its
 kernels built, or missing; Triton, Gluon and nvcc present), tensors are shape-only stand-ins, so no kernel
 runs. Each row records the route for the call as asked, and after the never-slower policy (a bare
 threshold, and ``target_sparsity=0.5``).

@@ -176,8 +176,8 @@ def test_nonfinite_inputs_propagate(tensor, value, dtype_qk, skip, build, per_th
                                 per_thread)
 
 
-def test_auto_takes_it_for_int8_sage_on_long_keys_only():
-    """On the H200 ``auto`` runs int8 SAGE on this kernel from 16,384 keys on (routing/order.py), triton below."""
+def test_auto_takes_it_for_int8_sage_at_every_length():
+    """On Hopper ``auto`` runs int8 SAGE on this kernel at every length (routing/order.py, issue 57)."""
     import math
 
     from diffusers_trtllm.layout import PackedLayout
@@ -190,7 +190,7 @@ def test_auto_takes_it_for_int8_sage_on_long_keys_only():
 
     long_call = call(20000)
     assert select_route(long_call).name == "sage-sm90"
-    assert select_route(call(4608)).name == "triton"
+    assert select_route(call(4608)).name == "sage-sm90"
     res = select_route(long_call).run(long_call)
     ref = _reference(long_call.q.float(), long_call.k.float(), long_call.v.float(), long_call.layout).out
     assert res.route == "sage-sm90" and rel_l1(res.out, ref) < 0.06 and not math.isnan(rel_l1(res.out, ref))

@@ -66,7 +66,7 @@ def _check_max_nan():
 def _check_quantize(dtype_qk, q_block, k_block, smooth_k, lens_q=LENS_Q, lens_kv=LENS_KV, mma_key_order=False,
                     k_per_thread=False):
     from diffusers_trtllm.config import QuantConfig
-    from diffusers_trtllm.kernels.reference import block_ids, sage_quantize
+    from diffusers_trtllm.kernels.reference import block_ids, key_mean, sage_quantize
     from diffusers_trtllm.kernels.triton_quant import sage_quantize_triton
 
     gen = torch.Generator().manual_seed(1)
@@ -77,8 +77,10 @@ def _check_quantize(dtype_qk, q_block, k_block, smooth_k, lens_q=LENS_Q, lens_kv
     quant = QuantConfig(dtype_qk, q_block, k_block, smooth_k, k_per_thread)
     got = sage_quantize_triton(q, k, v, layout, quant, mma_key_order=mma_key_order)
     _assert_v_mean_close(got.v_mean, v)
+    if smooth_k:  # summed in spans: key_mean's up to fp32 rounding, taken as given to compare the rest bit for bit
+        torch.testing.assert_close(got.k_mean, key_mean(k), rtol=1e-5, atol=1e-6)
     ref = sage_quantize(q, k, v, layout.cu_seqlens_q, layout.cu_seqlens_kv, layout.q_lens, layout.kv_lens, quant,
-                        smooth_v=True, v_mean=got.v_mean)
+                        smooth_v=True, v_mean=got.v_mean, k_mean=got.k_mean)
     q_used = block_ids(layout.cu_seqlens_q, layout.q_lens, q_block)[0].unique()
     k_used = block_ids(layout.cu_seqlens_kv, layout.kv_lens, k_block, k_per_thread)[0].unique()
     assert torch.equal(got.q_scale[:, q_used], ref.q_scale[:, q_used])
@@ -90,29 +92,40 @@ def _check_quantize(dtype_qk, q_block, k_block, smooth_k, lens_q=LENS_Q, lens_kv
 
 
 def _assert_v_mean_close(v_mean, v):
-    """The quantizer's V mean (``v_stats``, summed in spans) is ``channel_mean``'s up to fp32 rounding."""
+    """The quantizer's V mean (``kv_stats``, summed in spans) is ``channel_mean``'s up to fp32 rounding."""
     from diffusers_trtllm.kernels.reference import channel_mean
 
     torch.testing.assert_close(v_mean, channel_mean(v), rtol=1e-5, atol=1e-6, equal_nan=True)
 
 
-def _check_v_stats():
-    """``v_stats`` over several spans (the last one ragged) and a strided V: min and max are torch's exactly, NaN
-    and inf kept, the mean ``channel_mean``'s up to rounding."""
+def _check_kv_stats():
+    """``kv_stats`` over several spans (the last one ragged) and a strided K and V: V's min and max are torch's
+    exactly, NaN and inf kept, its channel scales the reference's, the means ``channel_mean``'s and ``key_mean``'s
+    (a sample of every other key) up to rounding, 0 where K's is not finite."""
     from diffusers_trtllm.kernels import triton_quant
+    from diffusers_trtllm.kernels.reference import AMAX_FLOOR, FP8_MAX, key_mean
 
     gen = torch.Generator().manual_seed(5)
     v = (torch.randn(3 * 70 + 11, 3, 64, generator=gen) * 2 + 1).half()[:, ::2]  # heads 0 and 2 of 3
+    k = (torch.randn(3 * 70 + 11, 3, 64, generator=gen) * 3 - 1).half()[:, 1:]
     v[7, 0, 3], v[100, 1, 9], v[150, 1, 10] = math.nan, math.inf, -math.inf
-    rows, triton_quant.V_STATS_ROWS = triton_quant.V_STATS_ROWS, 70
+    k[4, 1, 5] = math.inf  # a sampled key (every other one)
+    saved = triton_quant.V_STATS_ROWS, triton_quant.KEY_MEAN_SAMPLE
+    triton_quant.V_STATS_ROWS, triton_quant.KEY_MEAN_SAMPLE = 70, 100  # 4 spans, the last ragged; every other key
     try:
-        mean, lo, hi = triton_quant.v_stats(v)
+        stats = triton_quant.kv_stats(k, v, True)
+        sample = k[::2]
     finally:
-        triton_quant.V_STATS_ROWS = rows
+        triton_quant.V_STATS_ROWS, triton_quant.KEY_MEAN_SAMPLE = saved
     want_lo, want_hi = torch.aminmax(v.float(), dim=0)
-    torch.testing.assert_close(lo, want_lo, rtol=0, atol=0, equal_nan=True)
-    torch.testing.assert_close(hi, want_hi, rtol=0, atol=0, equal_nan=True)
-    _assert_v_mean_close(mean, v)
+    torch.testing.assert_close(stats.v_min, want_lo, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(stats.v_max, want_hi, rtol=0, atol=0, equal_nan=True)
+    _assert_v_mean_close(stats.v_mean, v)
+    amax = (v.float() - stats.v_mean).abs().amax(dim=0).clamp_min(AMAX_FLOOR)
+    torch.testing.assert_close(stats.v_scale, amax / torch.full_like(amax, FP8_MAX), rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(stats.k_mean, key_mean(sample), rtol=1e-5, atol=1e-6)
+    assert stats.k_mean[1, 5] == 0
+    assert triton_quant.kv_stats(k, v, False).k_mean is None
 
 
 def _assert_gaps_zero(got, layout, mma_key_order):
@@ -302,7 +315,7 @@ CASES = {
     **{f"quantize-v-{value}-{'mma' if mma else 'plain'}-order": (_check_quantize_nonfinite_v, (value, mma))
        for value in (math.nan, math.inf) for mma in (False, True)},
     "quantize-hypothesis-vs-reference": (_check_quantize_properties, ()),
-    "v-stats": (_check_v_stats, ()),
+    "kv-stats": (_check_kv_stats, ()),
     "dense-fp32-d64-gqa": (_check_attention, (torch.float32, 64, 2, None, None)),
     "dense-fp16-d128": (_check_attention, (torch.float16, 128, 4, None, None)),
     "dense-fp16-d64-skip": (_check_attention, (torch.float16, 64, 4, None, 0.05)),
@@ -411,7 +424,7 @@ def test_rejects_unsupported_head_dim():
     (90, "int8", True, False, 128, True), (90, "int8", True, False, 128, False), (90, "int8", True, False, 16, False),
     (90, "fp8_e4m3", False, True, 16, False), (80, "int8", False, False, 16, False)])
 def test_quantizer_compiles_for_the_gpu(sm, dtype_qk, mma_key_order, smooth_k, k_block, per_thread):
-    """The one-launch quantizer through Triton's whole GPU pipeline (to PTX and cubin) without a GPU: the
+    """The quantizer's launches through Triton's whole GPU pipeline (to PTX and cubin) without a GPU: the
     interpreter above checks its values, not that its layouts (the V tiles' fp8 transpose
     and masked stores) lower for a real target. SM80 has no fp8: V is kept in fp16 there.
 
@@ -430,14 +443,14 @@ def test_quantizer_compiles_for_the_gpu(sm, dtype_qk, mma_key_order, smooth_k, k
     qk = torch.int8 if dtype_qk == "int8" else torch.float8_e4m3fn
     bf16, f32, i32 = (torch.empty(16, dtype=t) for t in (torch.bfloat16, torch.float32, torch.int32))
     quantized, vt = torch.empty(16, dtype=qk), torch.empty(16, dtype=torch.float8_e4m3fn if native else torch.float16)
-    runtime = (bf16, bf16, bf16, quantized, quantized, vt, f32, f32, f32, f32, f32, bf16, bf16, i32, i32,
+    runtime = (bf16, bf16, bf16, quantized, quantized, vt, f32, f32, f32, f32, f32, i32, i32,
                7, 7, 4, 2, 4, 512, 2, 512, 128, 256, 128, 256, 128)
     block_k = max(triton_quant.QUANT_BLOCK_T, k_block)
     constexprs = dict(H=4, HKV=2, D=128, BLOCK_T=triton_quant.QUANT_BLOCK_T, BLOCK_K=block_k, Q_BS=1, K_BS=k_block,
                       QMAX=127 if dtype_qk == "int8" else 448, IS_INT8=dtype_qk == "int8", SMOOTH_K=smooth_k,
                       NATIVE=native, MMA_KEY_ORDER=mma_key_order, K_PER_THREAD=per_thread)
     kernel, args = triton_quant._sage_quant_kernel, runtime
-    for parts in triton_quant.QUANT_LAUNCHES:  # each launch the quantizer makes, compiled for what it holds
+    for parts in {*triton_quant.QUANT_LAUNCHES, *triton_quant.QUANT_SHORT_LAUNCHES}:  # each launch it makes
         consts = dict(constexprs, DO_Q="q" in parts, DO_K="k" in parts, DO_V="v" in parts)
         signature = {name: mangle_type(arg) for name, arg in zip(kernel.arg_names, args)}
         signature.update({name: "constexpr" for name in consts})

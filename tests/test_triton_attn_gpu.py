@@ -73,24 +73,29 @@ def test_dense_matches_reference(dim, kv_heads):
     assert rel_l1(out, _reference(q, k, v, layout).out) < 1e-2
 
 
+@pytest.mark.parametrize("launches", ["one", "per-part"])
 @pytest.mark.parametrize("dtype_qk", ["int8", "fp8_e4m3"])
 @pytest.mark.parametrize("blocks", [(1, 16, False, False), (4, 4, True, False), (16, 1, False, False),
                                     (1, 128, False, True), (4, 16, True, True)])
-def test_sage_quantization_matches_reference(dtype_qk, blocks):
-    """``blocks``: Q block, K block, ``smooth_k``, K split per thread."""
+def test_sage_quantization_matches_reference(dtype_qk, blocks, launches, monkeypatch):
+    """``blocks``: Q block, K block, ``smooth_k``, K split per thread; ``launches``: Q, K and V quantized in one
+    launch (short calls) or one launch each (long calls)."""
+    from diffusers_trtllm.kernels import triton_quant
     from diffusers_trtllm.kernels.triton_quant import sage_quantize_triton
 
+    if launches == "per-part":
+        monkeypatch.setattr(triton_quant, "QUANT_ONE_LAUNCH_TOKENS", 0)
     q, k, v, layout = _inputs(128)
     quant = QuantConfig(dtype_qk, *blocks[:3], k_per_thread=blocks[3])
     got = sage_quantize_triton(q, k, v, layout, quant)
     ref = sage_quantize(q, k, v, layout.cu_seqlens_q, layout.cu_seqlens_kv, layout.q_lens, layout.kv_lens, quant,
-                        smooth_v=True, v_mean=got.v_mean)
+                        smooth_v=True, v_mean=got.v_mean, k_mean=got.k_mean)
     q_used = block_ids(layout.cu_seqlens_q, layout.q_lens, quant.q_block_size)[0].unique()
     k_used = block_ids(layout.cu_seqlens_kv, layout.kv_lens, quant.k_block_size, quant.k_per_thread)[0].unique()
     torch.testing.assert_close(got.q_scale[:, q_used], ref.q_scale[:, q_used], rtol=1e-6, atol=0)
     torch.testing.assert_close(got.k_scale[:, k_used], ref.k_scale[:, k_used], rtol=1e-5, atol=1e-9)
     torch.testing.assert_close(got.v_scale, ref.v_scale, rtol=0, atol=0)
-    torch.testing.assert_close(got.v_mean, channel_mean(v), rtol=1e-5, atol=1e-6)  # v_stats sums in spans
+    torch.testing.assert_close(got.v_mean, channel_mean(v), rtol=1e-5, atol=1e-6)  # kv_stats sums in spans
     assert torch.equal(got.v(layout).float(), ref.v.float())
     # On CUDA torch divides by a scalar as a multiply by its reciprocal, so the reference's Q/K scales can
     # sit one ulp from the kernel's IEEE quotient (and smooth_k's mean is summed in another order): values
@@ -188,8 +193,8 @@ def test_route_is_auto_for_sage_on_this_gpu():
     q, k, v, layout = _inputs(128)
     call = AttentionCall(q, k, v, layout, softmax_scale=128**-0.5, quant=QC("int8"))
     route = select_route(call)
-    if device_sm(q.device) < 100:
-        assert route.name == "triton"
+    if device_sm(q.device) < 90:
+        assert route.name == "triton"  # (on SM90 the sage-sm90 kernel ranks first: test_sage_sm90_gpu.py)
     res = route.run(call)
     assert res.out.shape == q.shape and torch.isfinite(res.out.float()).all()
 

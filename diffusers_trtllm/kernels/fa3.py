@@ -13,11 +13,11 @@ scaled by ``ln 2`` to the natural log ring attention merges by.
 
 from __future__ import annotations
 
+import functools
+import math
 from collections import OrderedDict
 from itertools import accumulate
 from typing import Any
-
-import math
 
 import torch
 
@@ -34,11 +34,16 @@ _plans: "OrderedDict[tuple, tuple[PackedLayout, Any]]" = OrderedDict()
 
 def module_uri(call: AttentionCall) -> str:
     """FlashInfer's name for the module this call needs (single- or batch-prefill, dtype, head dim)."""
+    return _module_uri(call.q.shape[-1], call.q.dtype, call.layout.num_seqs == 1)
+
+
+@functools.lru_cache(maxsize=None)
+def _module_uri(dim: int, dtype: torch.dtype, single: bool) -> str:
+    """``module_uri``'s name, built once (asked on every call)."""
     from flashinfer.jit.attention.modules import get_batch_prefill_uri, get_single_prefill_uri
 
-    dim, dtype = call.q.shape[-1], call.q.dtype
     common = (dim, dim, 0, False, False, False)  # head dims qk/vo, no pos. encoding / window / soft cap / fp16 qk
-    if call.layout.num_seqs == 1:
+    if single:
         return get_single_prefill_uri("fa3", dtype, dtype, dtype, *common)
     return get_batch_prefill_uri("fa3", dtype, dtype, dtype, torch.int32, *common)
 

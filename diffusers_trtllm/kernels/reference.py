@@ -76,7 +76,7 @@ def lse_before_smoothing(lse: torch.Tensor, q: torch.Tensor, k_mean: torch.Tenso
 
 def channel_mean(x: torch.Tensor) -> torch.Tensor:
     """``[heads, dim]`` float32 mean over every packed token: the vector ``smooth_v`` takes off (the kernels'
-    quantizer sums it in one pass with V's extremes, ``triton_quant.v_stats``, equal to this up to fp32 rounding)."""
+    quantizer sums it in one pass with V's extremes, ``triton_quant.kv_stats``, equal to this up to fp32 rounding)."""
     return x.mean(dim=0, dtype=torch.float32)
 
 
@@ -145,20 +145,24 @@ def sage_quantize(
     quant: QuantConfig,
     smooth_v: bool = False,
     v_mean: torch.Tensor | None = None,
+    k_mean: torch.Tensor | None = None,
 ) -> SageTensors:
     """SAGE quantization of packed ``[tokens, heads, dim]`` Q, K, V (docs/design.md, SAGE quantization).
 
     ``smooth_v``: V less its per-(head, channel) mean before fp8, as the project's Hopper kernels quantize
     it (docs/design.md, "V's mean"); FlashInfer's quantizer does not. ``v_mean``: that mean as a kernel's
-    quantizer summed it (``triton_quant.v_stats``, another order than :func:`channel_mean`'s), to compare the rest
-    bit for bit.
+    quantizer summed it (``triton_quant.kv_stats``, another order than :func:`channel_mean`'s), to compare the rest
+    bit for bit; ``k_mean`` likewise K's mean with ``quant.smooth_k`` (None: :func:`key_mean`).
     """
     quant = quant.with_k_block(DEFAULT_K_BLOCK)
     if smooth_v and v_mean is None:
         v_mean = channel_mean(v)
     elif not smooth_v and v_mean is not None:
         raise ValueError("v_mean is V's mean taken off with smooth_v=True; pass smooth_v=True with it.")
-    k_mean = key_mean(k) if quant.smooth_k else None
+    if quant.smooth_k and k_mean is None:
+        k_mean = key_mean(k)
+    elif not quant.smooth_k and k_mean is not None:
+        raise ValueError("k_mean is K's mean taken off with quant.smooth_k=True; pass a quant with smooth_k=True.")
     k = k.float() if k_mean is None else k.float() - k_mean
     q_ids, nq = block_ids(cu_seqlens_q, q_lens, quant.q_block_size)
     k_ids, nk = block_ids(cu_seqlens_kv, kv_lens, quant.k_block_size, quant.k_per_thread)

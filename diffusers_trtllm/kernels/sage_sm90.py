@@ -125,8 +125,24 @@ def build_kernels(variants: Iterable[Variant] = VARIANTS, builds: Iterable[tuple
 
 
 def _kernel(device: torch.device, variant: Variant, defines: tuple[str, ...] = ()) -> cuda_jit.CudaKernel:
+    return _loaded_kernel(device, variant, defines, os.environ.get("DIFFUSERS_TRTLLM_NVCC"),
+                          os.environ.get("DIFFUSERS_TRTLLM_CACHE"))
+
+
+@functools.lru_cache(maxsize=256)
+def _loaded_kernel(device: torch.device, variant: Variant, defines: tuple[str, ...], nvcc: str | None,
+                   cache: str | None) -> cuda_jit.CudaKernel:
+    """``_kernel``'s entry point, found once per device, variant, build, ``$DIFFUSERS_TRTLLM_NVCC`` (which
+    ``find_compiler`` reads) and ``$DIFFUSERS_TRTLLM_CACHE`` (where the cubin is): a call of a known shape finds it
+    without the compiler's or the cubin's lookups."""
     cubin = sage_sm90_cubin(variant, defines, cuda_jit.find_compiler())
     return cuda_jit.load_kernels(cubin, (variant.name,), device)[variant.name]
+
+
+@functools.lru_cache(maxsize=64)
+def _route_quant(quant: QuantConfig) -> QuantConfig:
+    """``quant`` with the K blocks it leaves to the route set to this kernel's (asked on every call)."""
+    return quant.with_k_block(K_BLOCK, K_PER_THREAD)
 
 
 def _check_call(q: torch.Tensor, k: torch.Tensor, quant: QuantConfig | None) -> None:
@@ -146,7 +162,7 @@ def sage_sm90_quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout
     of ``K_BLOCK`` where ``quant`` leaves them to the route)."""
     from .triton_quant import sage_quantize_triton
 
-    return sage_quantize_triton(q, k, v, layout, quant.with_k_block(K_BLOCK, K_PER_THREAD), mma_key_order=True)
+    return sage_quantize_triton(q, k, v, layout, _route_quant(quant), mma_key_order=True)
 
 
 def sage_sm90_attention(
@@ -169,7 +185,7 @@ def sage_sm90_attention(
     ``defines`` builds the kernel with other compile-time knobs (``SAGE_SM90_STAGES=3``,
     ``SAGE_SM90_OVERLAP=0``); ``quantized``, what :func:`sage_sm90_quantize` made of these q, k, v, runs the
     kernel alone: both for the benchmark's sweeps. ``quant.k_block_size`` None takes ``K_BLOCK``."""
-    quant = quant.with_k_block(K_BLOCK, K_PER_THREAD)
+    quant = _route_quant(quant)
     _check_call(q, k, quant)
     st = quantized if quantized is not None else sage_sm90_quantize(q, k, v, layout, quant)
     tokens_q, heads, dim = q.shape
@@ -179,9 +195,9 @@ def sage_sm90_attention(
     stats = torch.zeros(1, dtype=torch.int32, device=q.device) if count else out
     lse = torch.empty(tokens_q, heads, dtype=torch.float32, device=q.device) if return_lse else None
     maps = (
-        cuda_jit.TensorMap.tiles_2d(st.q.view(torch.uint8).view(tokens_q, heads * dim), dim, _CTA_ROWS),
-        cuda_jit.TensorMap.tiles_2d(st.k.view(torch.uint8).view(tokens_kv, kv_heads * dim), dim, BLOCK_N),
-        cuda_jit.TensorMap.tiles_2d(st.vt.view(torch.uint8), BLOCK_N, dim),
+        cuda_jit.TensorMap.cached_tiles_2d(st.q.view(torch.uint8).view(tokens_q, heads * dim), dim, _CTA_ROWS),
+        cuda_jit.TensorMap.cached_tiles_2d(st.k.view(torch.uint8).view(tokens_kv, kv_heads * dim), dim, BLOCK_N),
+        cuda_jit.TensorMap.cached_tiles_2d(st.vt.view(torch.uint8), BLOCK_N, dim),
     )
     params = _Params(
         out.data_ptr(), st.q_scale.data_ptr(), st.k_scale.data_ptr(), st.v_scale.data_ptr(), st.v_mean.data_ptr(),

@@ -1,15 +1,17 @@
-"""SAGE quantization for the ``triton`` route: a statistics pass over V, then one Triton pass over Q, K and V.
+"""SAGE quantization for the ``triton`` route: a statistics pass over K and V, then one Triton pass over Q, K and V.
 
 Produces docs/design.md's layout (the one ``reference.sage_quantize`` defines): Q/K int8
 or fp8 e4m3 with one scale per (head, block of consecutive tokens of one
 sequence), V fp8 e4m3 with one scale per (head, channel), V less its per-(head, channel) mean
-(``smooth_v``), which the attention kernels add back to their output. One pass over V first (``v_stats``: its
-mean, min and max per channel) and K's sampled mean with ``smooth_k``, then the launches (``QUANT_LAUNCHES``;
-by default one each for Q, K and V, each compiled with only its own part, so the small Q and V tiles do not pay
-the registers of K's larger ones) quantize on a 1D grid of tiles: per (head, sequence) its Q tiles, K tiles and
-V tiles of consecutive tokens (64, K tiles a K block when that is longer), each read once, coalesced. V's channel
-scales need its amax less the mean over every token before any V tile can be quantized; the min and max give it
-exactly (``_quantize_v_rows``), so no reduction runs inside the launches. (Two earlier layouts measured slower
+(``smooth_v``), which the attention kernels add back to their output. First ``kv_stats`` (two launches: one pass
+over V for its mean, min and max per channel, and over K's sample for its mean with ``smooth_k``, then their fold
+into the means and V's channel scales), then the launches (``quant_launches``: for long calls one each for Q, K
+and V, each compiled with only its own part, so the small Q and V tiles do not pay the registers of K's larger
+ones; for short calls one, where a launch's fixed cost weighs more) quantize on a 1D grid of tiles: per (head,
+sequence) its Q tiles, K tiles and V tiles of consecutive tokens (64, K tiles a K block when that is longer),
+each read once, coalesced. V's channel scales need its amax less the mean over every token before any V tile
+can be quantized; the min and max give it exactly (``_kv_stats_finish``), so no reduction runs inside the
+quantizing launches. (Two earlier layouts measured slower
 on the H200, docs/design.md, "The quantizer": V by channel programs that read all tokens twice, a long serial
 path per program; and V by token tiles folding their amax into the scales by an atomic max, then a second
 launch.)
@@ -43,9 +45,10 @@ import triton.language as tl
 
 from ..config import DEFAULT_K_BLOCK, QuantConfig
 from ..layout import PackedLayout
-from .reference import AMAX_FLOOR, FP8_MAX, block_ids, key_mean, scale_slots
+from .reference import AMAX_FLOOR, FP8_MAX, KEY_MEAN_SAMPLE, block_ids, scale_slots
 
-__all__ = ["TritonSage", "sage_quantize_triton", "mma_key_column", "fp8_native", "interpreting", "round_fp8_grid", "vt_start", "max_nan", "v_stats"]
+__all__ = ["TritonSage", "sage_quantize_triton", "mma_key_column", "fp8_native", "interpreting", "round_fp8_grid", "vt_start", "max_nan", "kv_stats",
+           "KVStats", "quant_launches"]
 
 #: Tokens per Q or V program of the quantization kernel: a multiple of every Q block size (K programs take
 #: max(this, the K block): a tile starts whole blocks) and of 16 (V's key order permutes within groups of 16).
@@ -56,13 +59,20 @@ VT_GAP_MAX = 47
 #: its programs proportionally more, so that a K tile's threads hold no more values each than a Q tile's.
 QUANT_WARPS = 8
 #: The launches the quantizer makes, each the parts (Q, K, V) it quantizes: a part launched alone is compiled
-#: alone, with the registers its own tiles need.
+#: alone, with the registers its own tiles need. Calls of at most ``QUANT_ONE_LAUNCH_TOKENS`` tokens (Q's and
+#: K's together) make one launch of all three (``QUANT_SHORT_LAUNCHES``), where a launch's fixed cost weighs more
+#: than the registers.
 QUANT_LAUNCHES = ("q", "k", "v")
-#: Tokens per program of ``v_stats`` (at Wan 480p, 64 spans of each of the 40 heads), the tokens it reads per
-#: step, and its warps.
+QUANT_SHORT_LAUNCHES = ("qkv",)
+QUANT_ONE_LAUNCH_TOKENS = 2 * 16896
+#: Tokens per program of ``kv_stats``' pass (at Wan 480p, 64 spans of each of the 40 heads), the tokens it reads
+#: per step, and its warps.
 V_STATS_ROWS = 512
 V_STATS_BLOCK_T = 32
 V_STATS_WARPS = 4
+#: (Spans of fewer tokens on short V, at least 2,048 programs, and a fold 16 spans a step, measured slower on an
+#: H100: 57 + 28 us against 40 + 3 us at flux_1024, 100 + 29 us against 81 + 10 us at 16,896 tokens;
+#: benchmarks/results/profile_call_h100_run2.md against _run1.md.)
 _AMAX_FLOOR, _FP8_MAX = tl.constexpr(AMAX_FLOOR), tl.constexpr(FP8_MAX)
 
 
@@ -216,7 +226,7 @@ def _on_fp8_grid(y, NATIVE: tl.constexpr):
 @triton.jit
 def _sage_quant_kernel(
     q_ptr, k_ptr, v_ptr, qo_ptr, ko_ptr, vt_ptr,
-    q_scale_ptr, k_scale_ptr, v_scale_ptr, k_mean_ptr, v_mean_ptr, v_min_ptr, v_max_ptr,
+    q_scale_ptr, k_scale_ptr, v_scale_ptr, k_mean_ptr, v_mean_ptr,
     cu_q_ptr, cu_kv_ptr,
     n_q_blocks, n_k_blocks, n_q_tiles, n_k_tiles, n_v_tiles, vt_stride, num_seqs,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
@@ -243,9 +253,8 @@ def _sage_quant_kernel(
                                cu_kv_ptr, seq, head, (tile - n_q_tiles) * BLOCK_K, D, BLOCK_K, K_BS, QMAX, IS_INT8,
                                NATIVE, SMOOTH_K, K_PER_THREAD)
         elif DO_V:
-            _quantize_v_rows(v_ptr, stride_vt, stride_vh, vt_ptr, vt_stride, v_scale_ptr, v_mean_ptr, v_min_ptr,
-                             v_max_ptr, cu_kv_ptr, seq, head, (tile - n_q_tiles - n_k_tiles) * BLOCK_T, D, BLOCK_T,
-                             NATIVE, MMA_KEY_ORDER)
+            _quantize_v_rows(v_ptr, stride_vt, stride_vh, vt_ptr, vt_stride, v_scale_ptr, v_mean_ptr, cu_kv_ptr, seq,
+                             head, (tile - n_q_tiles - n_k_tiles) * BLOCK_T, D, BLOCK_T, NATIVE, MMA_KEY_ORDER)
 
 
 @triton.jit
@@ -278,25 +287,18 @@ def _quantize_rows(x_ptr, stride_t, stride_h, out_ptr, OUT_HEADS: tl.constexpr, 
 
 
 @triton.jit
-def _quantize_v_rows(v_ptr, stride_t, stride_h, vt_ptr, vt_stride, v_scale_ptr, v_mean_ptr, v_min_ptr, v_max_ptr,
-                     cu_ptr, seq, head, local, D: tl.constexpr, BLOCK_T: tl.constexpr, NATIVE: tl.constexpr,
-                     MMA_KEY_ORDER: tl.constexpr):
+def _quantize_v_rows(v_ptr, stride_t, stride_h, vt_ptr, vt_stride, v_scale_ptr, v_mean_ptr, cu_ptr, seq, head, local,
+                     D: tl.constexpr, BLOCK_T: tl.constexpr, NATIVE: tl.constexpr, MMA_KEY_ORDER: tl.constexpr):
     """Columns ``local .. local + BLOCK_T - 1`` of one head of sequence ``seq`` in the transposed V: V less its mean
     in fp8 where the column holds a key, zeros in the gap up to the next sequence's start (the grid's V tiles
     cover that whole span, so a neighbour's masked last KV tile reads zeros there).
 
     The tile gathers the keys in column order and stores whole rows of columns, so the stores are contiguous
-    in either key order. The channels' scales come from V's per-channel extremes over every token
-    (``sage_quantize_triton``): ``max |fl(x - mean)|`` is ``max(fl(max - mean), fl(mean - min))`` exactly,
-    rounding being monotone (overflow included) and symmetric, so no reduction over the tokens has to run in
-    this launch."""
+    in either key order. The channels' means and scales come from ``kv_stats``, so no reduction over the tokens
+    runs in this launch."""
     dims = tl.arange(0, D)
     mean = tl.load(v_mean_ptr + head * D + dims)
-    vmax = tl.load(v_max_ptr + head * D + dims).to(tl.float32)
-    vmin = tl.load(v_min_ptr + head * D + dims).to(tl.float32)
-    scale = _amax_scale(_maximum_nan(vmax - mean, mean - vmin), _FP8_MAX)
-    if (seq == 0) & (local == 0):
-        tl.store(v_scale_ptr + head * D + dims, scale)
+    scale = tl.load(v_scale_ptr + head * D + dims)
     start = tl.load(cu_ptr + seq)
     length = tl.load(cu_ptr + seq + 1) - start
     first = vt_start(seq, start)
@@ -315,16 +317,19 @@ def _quantize_v_rows(v_ptr, stride_t, stride_h, vt_ptr, vt_stride, v_scale_ptr, 
 
 
 @triton.jit
-def _v_stats_kernel(v_ptr, stride_t, stride_h, sum_ptr, min_ptr, max_ptr, tokens, rows_per_program,
-                    HKV: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr):
-    """One (span of ``rows_per_program`` tokens, head) of V: its per-channel sum, min and max (NaN kept), in
-    slot ``[span, head]`` of the partials ``v_stats`` folds. Each thread keeps its own elements' running sum and
-    extremes, reduced across the tile once at the end: a reduction over the tokens per step (through shared
-    memory) took longer than the pass itself."""
+def _kv_stats_kernel(k_ptr, k_stride_t, k_stride_h, v_ptr, stride_t, stride_h, parts_ptr, tokens, rows_per_program,
+                     k_step, spans, HKV: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, SMOOTH_K: tl.constexpr):
+    """One (span of ``rows_per_program`` tokens, head) of V: its per-channel sum, min and max (NaN kept), and with
+    ``SMOOTH_K`` the sum of K's sampled rows (every ``k_step``-th key, ``reference.key_mean``'s), in slot
+    ``[span, head]`` of the partials ``[4 (V's sum, min, max, K's sum), spans, heads, dim]`` that ``_kv_stats_finish``
+    folds. Each thread keeps its own elements' running sums and extremes, reduced across the tile once at the end: a
+    reduction over the tokens per step (through shared memory) took longer than the pass itself. K's rows left out
+    of the sample are masked, so they are not read."""
     span = tl.program_id(0)
     head = tl.program_id(1)
     dims = tl.arange(0, D)
     total = tl.zeros((BLOCK_T, D), tl.float32)
+    k_total = tl.zeros((BLOCK_T, D), tl.float32)
     lo = tl.full((BLOCK_T, D), float("inf"), tl.float32)
     hi = tl.full((BLOCK_T, D), float("-inf"), tl.float32)
     first = span * rows_per_program
@@ -337,23 +342,86 @@ def _v_stats_kernel(v_ptr, stride_t, stride_h, sum_ptr, min_ptr, max_ptr, tokens
         total += x
         lo = tl.minimum(lo, tl.where(ok, x, float("inf")), propagate_nan=tl.PropagateNan.ALL)
         hi = _maximum_nan(hi, tl.where(ok, x, float("-inf")))
+        if SMOOTH_K:
+            sampled = ok & ((rows % k_step) == 0)[:, None]
+            k_total += tl.load(k_ptr + rows[:, None].to(tl.int64) * k_stride_t + head * k_stride_h + dims[None, :],
+                               mask=sampled, other=0.0).to(tl.float32)
     slot = (span * HKV + head) * D + dims
-    tl.store(sum_ptr + slot, tl.sum(total, 0))
-    tl.store(min_ptr + slot, -max_nan(-lo, 0))
-    tl.store(max_ptr + slot, max_nan(hi, 0))
+    plane = spans * HKV * D
+    tl.store(parts_ptr + slot, tl.sum(total, 0))
+    tl.store(parts_ptr + plane + slot, -max_nan(-lo, 0))
+    tl.store(parts_ptr + 2 * plane + slot, max_nan(hi, 0))
+    if SMOOTH_K:
+        tl.store(parts_ptr + 3 * plane + slot, tl.sum(k_total, 0))
 
 
-def v_stats(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """V's per-(head, channel) mean, min and max over every packed token, ``[kv_heads, dim]`` float32 each, from
-    one pass over V (what ``smooth_v`` takes off, and with it V's channel scales). The mean is summed in spans of
-    ``V_STATS_ROWS`` tokens, then over the spans: the same value as ``reference.channel_mean`` up to fp32
-    rounding, not bit for bit (``reference.sage_quantize`` takes it as given)."""
+@triton.jit
+def _kv_stats_finish(parts_ptr, stats_ptr, spans, tokens, k_count, HKV: tl.constexpr, D: tl.constexpr,
+                     SMOOTH_K: tl.constexpr):
+    """One head: the spans' partials folded in span order into ``[5 (K's sampled mean, V's mean, min, max, channel
+    scales), heads, dim]``; K's mean is 0 in a channel where it is not finite, as ``reference.key_mean``'s."""
+    head = tl.program_id(0)
+    dims = tl.arange(0, D)
+    plane = spans * HKV * D
+    total = tl.zeros((D,), tl.float32)
+    k_total = tl.zeros((D,), tl.float32)
+    lo = tl.full((D,), float("inf"), tl.float32)
+    hi = tl.full((D,), float("-inf"), tl.float32)
+    for span in range(0, spans):
+        slot = (span * HKV + head) * D + dims
+        total += tl.load(parts_ptr + slot)
+        lo = tl.minimum(lo, tl.load(parts_ptr + plane + slot), propagate_nan=tl.PropagateNan.ALL)
+        hi = _maximum_nan(hi, tl.load(parts_ptr + 2 * plane + slot))
+        if SMOOTH_K:
+            k_total += tl.load(parts_ptr + 3 * plane + slot)
+    mean = tl.math.div_rn(total, tokens.to(tl.float32))
+    out = head * D + dims
+    stats_plane = HKV * D
+    tl.store(stats_ptr + stats_plane + out, mean)
+    tl.store(stats_ptr + 2 * stats_plane + out, lo)
+    tl.store(stats_ptr + 3 * stats_plane + out, hi)
+    # max |fl(x - mean)| over V is max(fl(max - mean), fl(mean - min)) exactly (rounding is monotone and symmetric)
+    tl.store(stats_ptr + 4 * stats_plane + out, _amax_scale(_maximum_nan(hi - mean, mean - lo), _FP8_MAX))
+    if SMOOTH_K:
+        k_mean = tl.math.div_rn(k_total, k_count.to(tl.float32))
+        finite = tl.abs(k_mean) < float("inf")  # (False for NaN too)
+        tl.store(stats_ptr + out, tl.where(finite, k_mean, 0.0))
+
+
+@dataclass
+class KVStats:
+    """What the quantizer needs over every token before quantizing K and V, ``[kv_heads, dim]`` float32 each: K's
+    sampled mean (``smooth_k``; None without it), V's mean (``smooth_v``), extremes and fp8 channel scales."""
+
+    k_mean: torch.Tensor | None
+    v_mean: torch.Tensor
+    v_min: torch.Tensor
+    v_max: torch.Tensor
+    v_scale: torch.Tensor
+
+
+def kv_stats(k: torch.Tensor, v: torch.Tensor, smooth_k: bool) -> KVStats:
+    """``KVStats`` of packed ``[tokens, kv_heads, dim]`` K and V in two launches: one pass over V (and K's sample),
+    partial sums and extremes per span of ``V_STATS_ROWS`` tokens, then their fold per head. V's mean is
+    ``reference.channel_mean``'s and K's ``reference.key_mean``'s up to fp32 rounding (summed in spans), not bit
+    for bit (``reference.sage_quantize`` takes both as given)."""
     tokens, kv_heads, dim = v.shape
     spans = triton.cdiv(tokens, V_STATS_ROWS)
-    sums, lows, highs = torch.empty(3, spans, kv_heads, dim, dtype=torch.float32, device=v.device)
-    _v_stats_kernel[(spans, kv_heads)](v, v.stride(0), v.stride(1), sums, lows, highs, tokens, V_STATS_ROWS,
-                                       HKV=kv_heads, D=dim, BLOCK_T=V_STATS_BLOCK_T, num_warps=V_STATS_WARPS)
-    return sums.sum(0) / tokens, lows.amin(0), highs.amax(0)
+    k_step = max(1, tokens // KEY_MEAN_SAMPLE)
+    parts = torch.empty(4, spans, kv_heads, dim, dtype=torch.float32, device=v.device)
+    stats = torch.empty(5, kv_heads, dim, dtype=torch.float32, device=v.device)
+    _kv_stats_kernel[(spans, kv_heads)](k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1), parts, tokens,
+                                        V_STATS_ROWS, k_step, spans, HKV=kv_heads, D=dim, BLOCK_T=V_STATS_BLOCK_T,
+                                        SMOOTH_K=smooth_k, num_warps=V_STATS_WARPS)
+    _kv_stats_finish[(kv_heads,)](parts, stats, spans, tokens, triton.cdiv(tokens, k_step), HKV=kv_heads, D=dim,
+                                  SMOOTH_K=smooth_k, num_warps=4)
+    k_mean, v_mean, v_min, v_max, v_scale = stats.unbind(0)
+    return KVStats(k_mean if smooth_k else None, v_mean, v_min, v_max, v_scale)
+
+
+def quant_launches(tokens: int) -> tuple[str, ...]:
+    """The quantizer's launches for a call of ``tokens`` query and key tokens together."""
+    return QUANT_SHORT_LAUNCHES if tokens <= QUANT_ONE_LAUNCH_TOKENS else QUANT_LAUNCHES
 
 
 def launch_warps(parts: str, block_k: int) -> int:
@@ -380,9 +448,7 @@ def sage_quantize_triton(
         raise ValueError("quant.dtype_qk='fp8_e4m3' needs an SM89+ GPU; use dtype_qk='int8'.")
     n_q_blocks = scale_slots(layout.q_lens, quant.q_block_size)
     n_k_blocks = scale_slots(layout.kv_lens, quant.k_block_size, quant.k_per_thread)
-    v_scale = torch.empty(kv_heads, dim, dtype=torch.float32, device=q.device)  # written by the kernel
-    k_mean = key_mean(k) if quant.smooth_k else None
-    v_mean, v_min, v_max = v_stats(v)  # smooth_v, always (docs/design.md, "V's mean"), and V's channel scales
+    stats = kv_stats(k, v, quant.smooth_k)  # smooth_v, always (docs/design.md, "V's mean"), and V's channel scales
     padded = vt_start.fn(layout.num_seqs, tokens_kv)
     out = TritonSage(
         q=torch.empty(q.shape, dtype=qk_dtype, device=q.device),
@@ -390,10 +456,10 @@ def sage_quantize_triton(
         vt=torch.empty(kv_heads * dim, padded, dtype=torch.float8_e4m3fn if native else torch.float16, device=q.device),
         q_scale=torch.empty(heads, n_q_blocks, dtype=torch.float32, device=q.device),
         k_scale=torch.empty(kv_heads, n_k_blocks, dtype=torch.float32, device=q.device),
-        v_scale=v_scale,
-        v_mean=v_mean,
+        v_scale=stats.v_scale,
+        v_mean=stats.v_mean,
         mma_key_order=mma_key_order,
-        k_mean=k_mean,
+        k_mean=stats.k_mean,
     )
     # Q tiles of QUANT_BLOCK_T tokens, K tiles of at least a K block (a tile starts whole blocks:
     # _quantize_tile), V tiles of QUANT_BLOCK_T columns over a sequence's keys and the gap after them.
@@ -401,13 +467,13 @@ def sage_quantize_triton(
     n_q_tiles = triton.cdiv(layout.max_seqlen_q, QUANT_BLOCK_T)
     n_k_tiles = triton.cdiv(layout.max_seqlen_kv, block_k)
     n_v_tiles = triton.cdiv(layout.max_seqlen_kv + VT_GAP_MAX, QUANT_BLOCK_T)
-    for parts in QUANT_LAUNCHES:
+    for parts in quant_launches(q.shape[0] + tokens_kv):
         tiles = [n if part in parts else 0 for n, part in ((n_q_tiles, "q"), (n_k_tiles, "k"), (n_v_tiles, "v"))]
         grid = (sum(tiles) * layout.num_seqs * (heads if "q" in parts else kv_heads),)
         _sage_quant_kernel[grid](
             q, k, v, out.q, out.k, out.vt,
-            out.q_scale, out.k_scale, v_scale, v_scale if k_mean is None else k_mean, v_mean, v_min, v_max,  # (v_scale: unread)
-            layout.cu_seqlens_q, layout.cu_seqlens_kv,
+            out.q_scale, out.k_scale, stats.v_scale, stats.v_mean if stats.k_mean is None else stats.k_mean,
+            stats.v_mean, layout.cu_seqlens_q, layout.cu_seqlens_kv,  # (v_mean as K's without smooth_k: unread)
             n_q_blocks, n_k_blocks, *tiles, padded, layout.num_seqs,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             H=heads, HKV=kv_heads, D=dim, BLOCK_T=QUANT_BLOCK_T, BLOCK_K=block_k,

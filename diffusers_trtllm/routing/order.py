@@ -52,11 +52,11 @@ def ranked_routes(call: AttentionCall) -> list[str]:
         if hopper:
             # fmha-v2-fp8 first: the fastest fp8 kernel on Hopper, skip-softmax included, and as accurate as
             # per-block fp8 (Wan-14B 1.42x cuDNN; benchmarks/results/hopper_h200.md).
-            # int8: sage-sm90 ahead of triton on long keys (wan_14b_480p / 720p 1.24x / 1.35x cuDNN against
-            # 1.10x / 1.15x), behind it on short ones (flux_1024 0.41x against 0.50x), where the call's fixed
-            # costs dominate; benchmarks/results/sage_sm90_sweep_h200.md.
-            int8 = ["sage-sm90", "triton"] if kv_bucket(call.layout.max_seqlen_kv) == "long" else ["triton", "sage-sm90"]
-            return ["fmha-v2-fp8", "trtllm-gen", "fa3", "fmha-v2", *int8, "gluon", "sdpa"]
+            # int8: sage-sm90 ahead of triton at every length since the quantizer's launches and the routing were
+            # cut (issue 57): on an H100, flux_1024 0.652x / 0.581x cuDNN and 16,896 keys 1.295x / 1.051x
+            # (benchmarks/results/profile_call_h100_run1.md); long keys (wan_14b_480p / 720p) 1.24x / 1.35x
+            # against 1.10x / 1.15x before it (benchmarks/results/sage_sm90_sweep_h200.md).
+            return ["fmha-v2-fp8", "trtllm-gen", "fa3", "fmha-v2", "sage-sm90", "triton", "gluon", "sdpa"]
         return ["trtllm-gen", "fa3", "fmha-v2", "fmha-v2-fp8", "triton", "gluon", "sdpa"]
     if call.skip_factor is not None:  # skip-softmax alone
         # gluon first (SM90 only): at 50% skipped 1.16x / 1.17x cuDNN on wan_14b_480p / 720p against fmha-v2's

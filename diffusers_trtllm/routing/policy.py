@@ -40,12 +40,13 @@ SHORT_KV = TEXT_KV
 SAGE_MIN_KV_SM90 = 16384
 
 #: On SM90, int8 SAGE pays from this KV length on the project's CUDA kernel (``sage-sm90``, which ``auto``
-#: ranks first for int8 on long keys): whole calls on the H200 (benchmarks/results/sage_sm90_sweep_h200_quantizer.md)
-#: 1.447x cuDNN at Wan-14B 480p (32,760 keys) and 1.531x at 720p with its default K blocks of 128 (1.366x /
-#: 1.430x with 16), against fa3 dense's 1.11-1.16x on those shapes (benchmarks/results/bench_h200.md); 0.75x
-#: at Flux (4,608 keys) against fa3's 0.95-1.18x. No length between was measured, so it runs from the shortest
-#: one where it measured faster.
-SAGE_INT8_MIN_KV_SM90 = 32760
+#: ranks first for int8): whole calls on an H100 (issue 57, benchmarks/results/profile_call_h100_run1.md, keys
+#: with a per-channel mean) 1.295x cuDNN at Flux 2048² (16,896 keys, 24 heads) against fa3 dense's 0.99-1.07x,
+#: and 0.652x at flux_1024 (4,608 keys) against fa3's 0.98x, where the kernel alone (372 us) barely beats cuDNN's
+#: (400 us) and the quantizer and launches cost more than it saves; on the H200 1.447x / 1.531x at Wan-14B 480p /
+#: 720p (32,760 / 75,600 keys; benchmarks/results/sage_sm90_sweep_h200_quantizer.md). No length between 4,608 and
+#: 16,896 was measured, so it runs from the shortest one where it measured faster.
+SAGE_INT8_MIN_KV_SM90 = 16896
 
 #: Where sage-sm90 cannot serve the call (no nvcc, a backend that names another route), int8 SAGE runs on
 #: the Triton kernel, slower than fa3 dense at Wan 480p: 1.09x cuDNN against fa3's 1.12x (32,760 keys),

@@ -26,6 +26,7 @@ __all__ = [
     "get_route",
     "route_names",
     "registered_routes",
+    "registry_epoch",
     "load_routes",
     "capability_reasons",
     "device_sm",
@@ -183,10 +184,21 @@ _ROUTES: dict[str, Route] = {}
 ROUTE_MODULES = ("trtllm_gen", "fa3", "fmha_v2", "fmha_v2_fp8", "sage_sm90", "triton_attn", "sdpa", "gluon_attn", "reference")
 
 
+_EPOCH = [0]
+
+
 def register_route(route: Route) -> Route:
     """Add a route under its name (``routing.order.ranked_routes`` says where ``auto`` tries it)."""
     _ROUTES[route.name] = route
+    _EPOCH[0] += 1
     return route
+
+
+def registry_epoch() -> int:
+    """Changes whenever a route is registered (the built-in ones loaded first): decisions cached before it
+    (``attention._PLANS``) no longer hold."""
+    load_routes()
+    return _EPOCH[0]
 
 
 def get_route(name: str) -> Route:

@@ -24,7 +24,9 @@ Served calls go through one ``torch.library.custom_op`` (a second one, returning
 too, for ring attention's KV shards) that finds its layer by a
 small per-layer tensor (``LayerState.key``), not by a Python int: ``torch.compile``
 then sees one opaque op, no graph break, and no guard on which layer it is (layers
-configured alike share one compiled graph). See docs/design.md.
+configured alike share one compiled graph). In plain eager execution (no tracing, no dispatch mode) the op's
+body is called directly: the op's dispatch alone cost more than the rest of our Python on a served call
+(benchmarks/results/profile_call_*.md). See docs/design.md.
 """
 
 from __future__ import annotations
@@ -239,13 +241,26 @@ def _route(state: Any, query, key, value, attn_mask, scale, via_sdpa: bool, shar
         return n * shards if n >= 0 else n
 
     if kv_shards:
+        if _eager():
+            return state.serve_kv_shard(query, key, value, timestep, scale, tokens(_CALL.hidden_len),
+                                        tokens(_CALL.encoder_len), kv_shards)
         return torch.ops.diffusers_trtllm.attention_kv_shard(
             query, key, value, timestep, state.key, scale, tokens(_CALL.hidden_len), tokens(_CALL.encoder_len),
             kv_shards)
+    source = _CALL.mask_source if mask_source is _CALL_MASK else mask_source
+    if _eager():
+        return state.serve(query, key, value, attn_mask, source, timestep, scale, tokens(_CALL.hidden_len),
+                           tokens(_CALL.encoder_len), via_sdpa)
     return torch.ops.diffusers_trtllm.attention(
-        query, key, value, attn_mask, _CALL.mask_source if mask_source is _CALL_MASK else mask_source,
-        timestep, state.key, scale, tokens(_CALL.hidden_len), tokens(_CALL.encoder_len), via_sdpa,
+        query, key, value, attn_mask, source, timestep, state.key, scale, tokens(_CALL.hidden_len),
+        tokens(_CALL.encoder_len), via_sdpa,
     )
+
+
+def _eager() -> bool:
+    """Plain eager execution: no ``torch.compile`` tracing and no dispatch mode (fake tensors, ``make_fx``), where
+    the custom op would only add its dispatch (tens of microseconds a call) before running the same ``serve``."""
+    return not torch.compiler.is_compiling() and not torch._C._len_torch_dispatch_stack()
 
 
 def _route_parallel(state: Any, query, key, value, attn_mask, scale, parallel_config: Any,

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Device calls of issue 57 (attention at image-model lengths, 4-16k tokens), by section; results under $OUT.
+#   `profile`: benchmarks/profile_call.py on flux_1024 and Flux 2048² (16,896 tokens): each call's time, host and
+#              GPU, per launch (with BASE=.base: the package copy there timed first, in the same run);
+#   `long`:    the same on wan_14b_480p (LONG_SHAPES), four calls, this copy beside BASE's;
+#   `sweep`:   benchmarks/bench_sage_sm90.py's whole-call, quantizer-only and kernel-only rows on those shapes
+#              (SHAPES to change them), keys with a per-channel mean;
+#   `build`:   the sage-sm90 cubins, built in parallel ahead of the rest;
+#   `tests`:   the GPU tests of the quantizer, the sage-sm90 and triton routes and the fast path;
+#   `compile`: benchmarks/compile_check.py (our processor under torch.compile's three uses);
+#   `e2e`:     Flux.1-dev / Qwen-Image forwards (random weights) beside stock and SageAttention2, eager and compiled.
+# Carry .whl (and .jit, .cubin-cache where earlier calls returned them):
+#   bash benchmarks/image_lengths_check.sh profile sweep
+set -uo pipefail
+source benchmarks/gpu_env.sh
+export DIFFUSERS_TRTLLM_CACHE="${DIFFUSERS_TRTLLM_CACHE:-$(pwd)/.cubin-cache}"
+out="${OUT:-/tmp}"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader
+shapes="${SHAPES:-flux_1024,flux_2048=1:16896:24:128}"
+for section in "$@"; do
+  echo "== $section $(date +%T)"
+  case "$section" in
+  profile)
+    if [ -n "${BASE:-}" ]; then
+      PYTHONPATH="$BASE:$PYTHONPATH" timeout "${BASE_TIMEOUT:-150}" python3 benchmarks/profile_call.py --shapes "${BASE_SHAPES:-$shapes}" \
+        --label baseline --trace-dir /tmp/traces --out "$out/profile_call.json" 2>&1 | grep -v "^    " | grep -v "^|\|^- \|^$"
+    fi
+    timeout "${PROFILE_TIMEOUT:-150}" python3 benchmarks/profile_call.py --shapes "$shapes" --label "${LABEL:-this}" ${CALLS:+--calls "$CALLS"} \
+      --trace-dir /tmp/traces --out "$out/profile_call.json" 2>&1 | grep -v "^|\|^- \|^$"
+    tar czf "$out/traces.tar.gz" -C /tmp traces ;;
+  long)  # the long rows (wan_14b_480p): cuDNN, SageAttention2, our default and int8, this copy beside BASE's
+    long_calls=cudnn,sageattn,ours-default,ours-int8-sage-sm90
+    for label in ${BASE:+baseline} this; do
+      PYTHONPATH="$([ "$label" = baseline ] && echo "$BASE:")$PYTHONPATH" timeout "${LONG_TIMEOUT:-80}" \
+        python3 benchmarks/profile_call.py --shapes "${LONG_SHAPES:-wan_14b_480p}" --calls "$long_calls" --iters 10 \
+        --trace-calls 2 --label "$label" --out "$out/profile_call_long.json" 2>&1 | grep -v "^    \|^|\|^- \|^$"
+    done ;;
+  sweep)
+    timeout "${SWEEP_TIMEOUT:-150}" python3 benchmarks/bench_sage_sm90.py --shapes "$shapes" --builds default \
+      --quants k128t-smooth --k-mean 4 --target-skips "" --iters 20 --out "$out/sage_sm90_sweep.json" 2>&1 | tail -30 ;;
+  build)  # every sage-sm90 variant and the GPU tests' builds, 16 at a time (as sage_sm90_check.sh builds them)
+    timeout "${BUILD_TIMEOUT:-120}" bash benchmarks/sage_sm90_check.sh build 2>&1 | tail -3 ;;
+  tests)
+    timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider -x ${TESTS:-tests/test_sage_sm90_gpu.py \
+      tests/test_triton_attn_gpu.py} 2>&1 | tee "$out/gpu_tests.log" | tail -8 ;;
+  e2e)
+    timeout "${E2E_TIMEOUT:-400}" python3 -m diffusers_trtllm.bench e2e --models "${E2E_MODELS:-flux.1-dev}" --weights random \
+      --configs "${E2E_CONFIGS:-stock,dense,sage-int8,stock-sage2}" --warmup 1 --iters 3 --time-limit 300 --out "$out" \
+      --name "${E2E_NAME:-e2e}" --no-progress ${E2E_ARGS:-} 2>&1 | grep -v "^\s*$" | tail -30 ;;
+  compile)  # regional / max-autotune-no-cudagraphs / reduce-overhead on a small Flux, defaults and int8
+    timeout "${COMPILE_TIMEOUT:-240}" python3 benchmarks/compile_check.py --settings "${COMPILE_SETTINGS:-defaults,int8}" \
+      --out "$out/compile_check.json" 2>&1 | grep "^{" ;;
+  pack)  # the cubins built here, for the next call's carry
+    tar czf "$out/cubin-cache.tar.gz" .cubin-cache 2>/dev/null; save_jit ;;
+  *) echo "unknown section $section" ;;
+  esac
+done
