@@ -41,7 +41,7 @@ __all__ = ["SageSm90Route", "Variant", "VARIANTS", "build_kernels", "sage_sm90_a
 BLOCK_M, BLOCK_N = 64, 128
 #: The K block of a call that leaves ``k_block_size`` to the route: one K scale per KV tile, the faster of the
 #: kernel's blocks (H200: 1.447x / 1.531x cuDNN against 1.366x / 1.430x with 16 on wan_14b_480p / 720p, and a
-#: Wan2.1-14B forward 1.152x / 1.268x against 1.120x / 1.218x; docs/performance.md, fourth sweep).
+#: Wan2.1-14B forward 1.152x / 1.268x against 1.120x / 1.218x; benchmarks/results/LOG.md, the fourth sweep).
 K_BLOCK = 128
 #: Whether that block is split per thread where the call leaves ``k_per_thread`` to the route (four K scales per
 #: tile, one per quad lane; a thread's 32 scores of a row still share one): on the H200 as fast as unsplit, at
