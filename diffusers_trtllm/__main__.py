@@ -37,7 +37,8 @@ from .machine import cuda_device_count
 
 PROG = "python -m diffusers_trtllm"
 #: Defaults the README quotes; ``--help`` shows them.
-DEFAULT_THRESHOLD = 0.2
+DEFAULT_THRESHOLD = 0.2  # the offline demo's: its tiny model's hand-made local attention
+MODEL_THRESHOLD = 0.05  # with --model: the full-size benchmarks' (docs/usage.md, "Which threshold")
 DEFAULT_GATE = 0.9
 DEFAULT_PROMPT = "A cat holding a sign that says hello world"
 #: What the demo's timings are, printed with them.
@@ -304,8 +305,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"with --model (None: {DEFAULT_PROMPT!r}); the offline demo has no text encoder")
     p.add_argument("--steps", type=_checked(int, _positive), default=None,
                    help="denoising steps (None: 8 for the demo, 28 with --model)")
-    p.add_argument("--threshold", type=_checked(float, lambda v: SkipSoftmaxConfig(threshold=v)), default=DEFAULT_THRESHOLD,
-                   help="skip_softmax_threshold (lambda), in [0, 1); not with --target-sparsity")
+    p.add_argument("--threshold", type=_checked(float, lambda v: SkipSoftmaxConfig(threshold=v)), default=None,
+                   help=f"skip_softmax_threshold (lambda), in [0, 1); not with --target-sparsity (None: "
+                        f"{DEFAULT_THRESHOLD} offline, the toy's; {MODEL_THRESHOLD} with --model)")
     p.add_argument("--target-sparsity", type=_checked(float, lambda v: SkipSoftmaxConfig(target_sparsity=v)),
                    default=None, help="in [0, 1], instead of --threshold; uses --calibration (offline without one: "
                                       "the tiny pipeline is calibrated first)")
@@ -333,6 +335,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.steps is None:
         args.steps = 28 if args.model else 8
+    if args.threshold is None:
+        args.threshold = MODEL_THRESHOLD if args.model else DEFAULT_THRESHOLD
     if args.target_sparsity is not None and _given(argv, "--threshold"):
         p.error("arguments --threshold and --target-sparsity are exclusive (a threshold, or a sparsity the "
                 "calibration turns into one); pass one of them")

@@ -108,6 +108,16 @@ def test_model_without_a_cuda_gpu_is_refused_in_the_argument_check(argv, monkeyp
     assert "argument --model: run on a machine with a CUDA GPU, or drop --model" in err
 
 
+def test_threshold_default_is_the_toys_offline_and_the_benchmarks_with_a_model(monkeypatch):
+    """0.2 suits the demo's hand-made local attention only; a real model gets 0.05 unless the user says."""
+    import diffusers_trtllm.__main__ as cli
+
+    monkeypatch.setattr(cli, "cuda_device_count", lambda: 1)
+    assert cli.parse_args([]).threshold == cli.DEFAULT_THRESHOLD == 0.2
+    assert cli.parse_args(["--model", "some/model"]).threshold == cli.MODEL_THRESHOLD == 0.05
+    assert cli.parse_args(["--model", "some/model", "--threshold", "0.1"]).threshold == 0.1
+
+
 def test_model_without_a_cuda_gpu_answers_before_torch_is_imported():
     """The driver is asked with ctypes: no torch or Diffusers import (10-13 s on a 2-core machine) comes first."""
     child = ("import sys\nfrom diffusers_trtllm.__main__ import main\ntry:\n    main(['--model', 'some/model'])\n"
