@@ -305,9 +305,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"with --model (None: {DEFAULT_PROMPT!r}); the offline demo has no text encoder")
     p.add_argument("--steps", type=_checked(int, _positive), default=None,
                    help="denoising steps (None: 8 for the demo, 28 with --model)")
-    p.add_argument("--threshold", type=_checked(float, lambda v: SkipSoftmaxConfig(threshold=v)), default=None,
-                   help=f"skip_softmax_threshold (lambda), in [0, 1); not with --target-sparsity (None: "
-                        f"{DEFAULT_THRESHOLD} offline, the toy's; {MODEL_THRESHOLD} with --model)")
+    p.add_argument("--threshold", type=_checked(float, lambda v: SkipSoftmaxConfig(threshold=v)),
+                   default=DEFAULT_THRESHOLD,
+                   help=f"skip_softmax_threshold (lambda), in [0, 1); not with --target-sparsity. The default is the "
+                        f"offline toy's; with --model it is {MODEL_THRESHOLD}")
     p.add_argument("--target-sparsity", type=_checked(float, lambda v: SkipSoftmaxConfig(target_sparsity=v)),
                    default=None, help="in [0, 1], instead of --threshold; uses --calibration (offline without one: "
                                       "the tiny pipeline is calibrated first)")
@@ -335,8 +336,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.steps is None:
         args.steps = 28 if args.model else 8
-    if args.threshold is None:
-        args.threshold = MODEL_THRESHOLD if args.model else DEFAULT_THRESHOLD
+    if args.model and not _given(argv, "--threshold"):
+        args.threshold = MODEL_THRESHOLD
     if args.target_sparsity is not None and _given(argv, "--threshold"):
         p.error("arguments --threshold and --target-sparsity are exclusive (a threshold, or a sparsity the "
                 "calibration turns into one); pass one of them")

@@ -53,8 +53,9 @@ def resolve_skip_factor(
         warn_once(
             ("no-timestep",),
             "skip-softmax: disabled_until_timestep=%s is set but no denoising timestep is known (first seen on "
-            "attention role %r), so attention stays dense. Publish it with DenoiseStepCallback (pipe(..., "
-            "callback_on_step_end=DenoiseStepCallback(proc))) or attach_denoise_tracking(pipe, proc).",
+            "attention role %r), so attention stays dense. Install the processor on the transformer "
+            "(transformer.set_attn_processor(proc) or install(pipe, proc): its timestep is read every step), or "
+            "publish t yourself: proc.set_timestep(t) or attach_denoise_tracking(pipe, proc) in a custom loop.",
             skip.disabled_until_timestep,
             role,
         )
