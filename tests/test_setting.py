@@ -331,6 +331,27 @@ def test_a_bad_setting_is_one_line_and_leaves_the_pipeline_as_it_was(saved, tmp_
     assert _processors(pipe) == processors and _layers(pipe) == layers
 
 
+def test_set_attn_processor_alone_gives_the_layers_the_saved_calibration(saved):
+    """The Diffusers one-liner with a loaded setting: its calibration reaches the layers as install's does."""
+    pipe, inputs, _, folder = saved
+    before_layers, before = _layers(pipe), _run(pipe, inputs)
+    fresh, fresh_inputs = build_demo_pipeline(0)
+    fresh.set_progress_bar_config(disable=True)
+    fresh.transformer.set_attn_processor(TrtllmAttnProcessor.from_pretrained(folder))
+    assert _layers(fresh) == before_layers
+    assert torch.equal(_run(fresh, fresh_inputs), before)
+
+
+def test_set_attn_processor_refuses_a_setting_for_another_model_before_any_change(saved):
+    _, _, _, folder = saved
+    pipe, _ = tiny_models.wan_pipeline()
+    before = _processors(pipe)
+    with pytest.raises(SettingFileError, match=r"names the 2 attention layers of a FluxTransformer2DModel, and "
+                                               r"transformer here is a WanTransformer3DModel"):
+        pipe.transformer.set_attn_processor(TrtllmAttnProcessor.from_pretrained(folder))
+    assert _processors(pipe) == before and all(layer_of(m) is None for m in pipe.transformer.modules())
+
+
 def test_a_setting_for_another_model_class_is_refused_before_install(saved):
     _, _, _, folder = saved
     pipe, _ = tiny_models.wan_pipeline()
@@ -384,6 +405,10 @@ def test_wan22_two_experts_round_trip_with_their_own_curves(tmp_path):
                [(layer_of(m).calibration, layer_of(m).ignored) for m in old.modules() if layer_of(m)]
     after = fresh(**fresh_inputs, num_inference_steps=2, generator=torch.Generator().manual_seed(0)).frames
     assert torch.equal(after, before)
+    other, _ = tiny_models.wan_pipeline(two_experts=True)  # one expert's one-liner: both sections fit its layers
+    with pytest.raises(ValueError, match=r"sections for transformer, transformer_2, each made for this "
+                                         r"WanTransformer3DModel's layers; install\(pipe, proc\) gives each"):
+        other.transformer_2.set_attn_processor(TrtllmAttnProcessor.from_pretrained(tmp_path))
     single, _ = tiny_models.wan_pipeline()  # one expert: the file's transformer_2 section has no denoiser here
     with pytest.raises(SettingFileError, match=r"field 'calibration' has sections for transformer, transformer_2, and "
                                                r"the pipeline's denoisers are transformer"):

@@ -19,9 +19,9 @@ import torch
 from ..modelopt_format import parse_sparse_attention_config, per_denoiser, read_calibration
 from ..setting import SettingFileError
 from .layer import Calibration, LayerState, layer_of
-from .modules import denoisers, uncompiled
+from .modules import attention_modules, denoisers, uncompiled
 
-__all__ = ["CalibrationRecord", "apply_calibration", "check_layers", "denoiser_name", "SECTION_KEYS"]
+__all__ = ["CalibrationRecord", "apply_calibration", "check_layers", "denoiser_name", "section_for", "SECTION_KEYS"]
 
 #: The keys of one denoiser's section of a saved calibration.
 SECTION_KEYS = ("model_class", "layers", "sparse_attention_config")
@@ -102,6 +102,27 @@ def _config_for(attr: str, transformer: torch.nn.Module, given: Mapping[str, Any
     if per_denoiser(given):
         return given.get(attr)
     return given
+
+
+def section_for(record: CalibrationRecord, transformer: torch.nn.Module) -> dict[str, Mapping[str, Any]]:
+    """The section of ``record`` made for ``transformer``'s layers, as ``{"transformer": section}``: what
+    ``transformer.set_attn_processor(proc)`` gives the layers of a processor that carries a calibration
+    (``from_pretrained``). Refused in one line where no section fits, or where several do (Wan 2.2's two experts
+    have layers of the same names: ``install(pipe, proc)`` gives each its own)."""
+    found = (type(uncompiled(transformer)).__name__, [name for name, _ in attention_modules(transformer)])
+    if len(record.sections) == 1:
+        (section,) = record.sections.values()
+        check_layers({"transformer": section}, {"transformer": found}, record.source)
+        return {"transformer": section}
+    fitting = [attr for attr, section in record.sections.items()
+               if section["model_class"] == found[0] and set(section["layers"]) == set(found[1])]
+    if len(fitting) == 1:
+        return {"transformer": record.sections[fitting[0]]}
+    if fitting:
+        raise ValueError(f"{record.source}: its calibration has sections for {_shown(fitting)}, each made for this "
+                         f"{found[0]}'s layers; install(pipe, proc) gives each denoiser of the pipeline its own.")
+    raise SettingFileError(f"{record.source}: field 'calibration' has sections for {_shown(record.sections)}, none made "
+                           f"for this {found[0]}'s {len(found[1])} attention layers; load the setting made for this model.")
 
 
 def apply_calibration(target: Any, given: Mapping[str, Any] | None, source: str) -> dict[str, dict[str, int]]:

@@ -29,6 +29,7 @@ import torch
 from .._logging import info_once, logger
 from . import intercept
 from .guidance import register_skip_output, unregister_skip_output
+from .calibrated import apply_calibration, section_for
 from .ip_adapter import stop_serving_in_place
 from .layer import detach_layer, layer_of
 from .timestep import follow_timesteps, stop_following_timesteps, tracker_of
@@ -182,6 +183,9 @@ def _patch_diffusers(ours: type) -> None:
         # unfuse_qkv_projections() of an old-style model (SD3) puts back the processors it saved at fusing,
         # which are ours: the stock processors the fuse replaced go back under them, as without us.
         unfusing = isinstance(processor, dict) and processor is getattr(self, "original_attn_processors", None)
+        # A processor carrying a calibration (from_pretrained): its section for this model, refused before any change.
+        record = processor._calibration if isinstance(processor, ours) else None
+        carried = section_for(record, self) if record is not None else None
         if isinstance(processor, dict):
             processor = _keep_rebuilt(self, processor, ours)
             original_set(self, processor)
@@ -203,6 +207,8 @@ def _patch_diffusers(ours: type) -> None:
         if served:
             tracker_of(self).reset()  # this processor's statistics start at step 0
             follow_timesteps([self])  # gated by the timestep this model's forward is called with
+            if carried is not None:
+                apply_calibration(self, carried, record.source)
         else:
             stop_following_timesteps(self)
 
