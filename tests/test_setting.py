@@ -342,23 +342,15 @@ def test_set_attn_processor_alone_gives_the_layers_the_saved_calibration(saved):
     assert torch.equal(_run(fresh, fresh_inputs), before)
 
 
-def test_set_attn_processor_refuses_a_setting_for_another_model_before_any_change(saved):
-    _, _, _, folder = saved
-    pipe, _ = tiny_models.wan_pipeline()
-    before = _processors(pipe)
-    with pytest.raises(SettingFileError, match=r"names the 2 attention layers of a FluxTransformer2DModel, and "
-                                               r"transformer here is a WanTransformer3DModel"):
-        pipe.transformer.set_attn_processor(TrtllmAttnProcessor.from_pretrained(folder))
-    assert _processors(pipe) == before and all(layer_of(m) is None for m in pipe.transformer.modules())
-
-
-def test_a_setting_for_another_model_class_is_refused_before_install(saved):
+@pytest.mark.parametrize("attach", [install, lambda pipe, proc: pipe.transformer.set_attn_processor(proc)],
+                         ids=["install", "set_attn_processor"])
+def test_a_setting_for_another_model_class_is_refused_before_any_change(saved, attach):
     _, _, _, folder = saved
     pipe, _ = tiny_models.wan_pipeline()
     before = _processors(pipe)
     with pytest.raises(SettingFileError, match=r"field 'calibration.transformer.layers' names the 2 attention layers "
                                                r"of a FluxTransformer2DModel, and transformer here is a WanTransformer3DModel"):
-        install(pipe, TrtllmAttnProcessor.from_pretrained(folder))
+        attach(pipe, TrtllmAttnProcessor.from_pretrained(folder))
     assert _processors(pipe) == before and all(layer_of(m) is None for m in pipe.transformer.modules())
 
 
