@@ -303,6 +303,20 @@ def test_target_sparsity_without_a_calibration_is_refused_before_any_layer_runs(
     assert proc.step_table()
 
 
+def test_a_forward_that_passed_the_calibration_check_does_not_exempt_a_later_processor():
+    """The check before each forward is remembered until a layer changes: a new processor is checked again."""
+    model, inputs = tiny_models.build("wan_t2v")
+    install(model, TrtllmAttnProcessor(skip_softmax_threshold=0.2, backend="reference"))
+    with torch.no_grad():
+        model(**inputs)
+        model(**inputs)
+    proc = TrtllmAttnProcessor(target_sparsity=0.5, backend="reference")
+    install(model, proc)
+    with pytest.raises(ValueError, match=r"^Load a calibration with load_calibration\("), torch.no_grad():
+        model(**inputs)
+    assert not proc.step_table(), "no layer ran"
+
+
 def test_functional_scalars_checked():
     q, k, v = _qkv()
     with pytest.raises(ValueError, match="softmax_scale must be finite and > 0"):

@@ -42,17 +42,35 @@ def layer_of(module: torch.nn.Module) -> "LayerState | None":
     return module.__dict__.get(LAYER_ATTR)
 
 
+#: Counts the changes that can change a layer's ``needs_calibration`` (a state put on or taken off a module, a
+#: state's settings or calibration renewed): ``check_calibrated`` walks a model again only after one.
+_changes = 0
+#: The model attribute holding the count at which the model last passed ``check_calibrated``.
+_CHECKED_ATTR = "_trtllm_calibration_checked"
+
+
+def _changed() -> None:
+    global _changes
+    _changes += 1
+
+
 def attach_layer(module: torch.nn.Module, state: "LayerState") -> None:
     module.__dict__[LAYER_ATTR] = state
+    _changed()
 
 
 def detach_layer(module: torch.nn.Module) -> "LayerState | None":
     """Take the state off ``module`` (returned, or None when it had none)."""
+    _changed()
     return module.__dict__.pop(LAYER_ATTR, None)
 
 
 def check_calibrated(model: torch.nn.Module) -> None:
-    """Refuse, before any layer of ``model`` runs, a ``target_sparsity`` that no calibration backs (one line)."""
+    """Refuse, before any layer of ``model`` runs, a ``target_sparsity`` that no calibration backs (one line).
+    Called before every forward: the walk over the model's modules (about 0.9 ms for Flux.1-dev's 1,279 on a
+    2-core CPU) is made again only after a layer changed."""
+    if model.__dict__.get(_CHECKED_ATTR) == _changes:
+        return
     missing = [state.label for m in model.modules() if (state := layer_of(m)) is not None and state.needs_calibration]
     if missing:
         shown = missing[0] + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
@@ -61,6 +79,7 @@ def check_calibrated(model: torch.nn.Module) -> None:
             f"or pass skip_softmax_threshold instead: target_sparsity has no calibration for {shown} of "
             f"{type(model).__name__}."
         )
+    model.__dict__[_CHECKED_ATTR] = _changes
 
 
 @dataclass(frozen=True)
@@ -200,6 +219,7 @@ class LayerState:
     def refresh(self) -> None:
         """Forget cached settings after the processor, role or calibration changed."""
         self._settings = None
+        _changed()
 
     # ---- serving one call (inside the custom op) ---------------------------------------------
     def serve(self, query, key, value, attn_mask, mask_source, timestep, scale, hidden_len: int, encoder_len: int,
