@@ -21,7 +21,8 @@ from ..setting import SettingFileError
 from .layer import Calibration, LayerState, layer_of
 from .modules import attention_modules, denoisers, uncompiled
 
-__all__ = ["CalibrationRecord", "apply_calibration", "check_layers", "denoiser_name", "section_for", "SECTION_KEYS"]
+__all__ = ["CalibrationRecord", "apply_calibration", "check_layers", "denoiser_name", "model_layers", "section_for",
+           "SECTION_KEYS"]
 
 #: The keys of one denoiser's section of a saved calibration.
 SECTION_KEYS = ("model_class", "layers", "sparse_attention_config")
@@ -104,12 +105,17 @@ def _config_for(attr: str, transformer: torch.nn.Module, given: Mapping[str, Any
     return given
 
 
+def model_layers(root: torch.nn.Module) -> tuple[str, list[str]]:
+    """``root``'s class name and the names of its attention modules: what a saved calibration's section names."""
+    return type(uncompiled(root)).__name__, [name for name, _ in attention_modules(root)]
+
+
 def section_for(record: CalibrationRecord, transformer: torch.nn.Module) -> dict[str, Mapping[str, Any]]:
     """The section of ``record`` made for ``transformer``'s layers, as ``{"transformer": section}``: what
     ``transformer.set_attn_processor(proc)`` gives the layers of a processor that carries a calibration
     (``from_pretrained``). Refused in one line where no section fits, or where several do (Wan 2.2's two experts
     have layers of the same names: ``install(pipe, proc)`` gives each its own)."""
-    found = (type(uncompiled(transformer)).__name__, [name for name, _ in attention_modules(transformer)])
+    found = model_layers(transformer)
     if len(record.sections) == 1:
         (section,) = record.sections.values()
         check_layers({"transformer": section}, {"transformer": found}, record.source)

@@ -19,9 +19,9 @@ from typing import Any
 import torch
 
 from .._logging import logger
-from .calibrated import apply_calibration, check_layers, denoiser_name
+from .calibrated import apply_calibration, check_layers, denoiser_name, model_layers
 from .intercept import is_ip_adapter
-from .modules import attention_modules, target_modules, uncompiled
+from .modules import attention_modules, target_modules
 from .processor import TrtllmAttnProcessor
 from .setters import drop_layer, put_processor, recorded_replacement, restore_if_unused
 from .timestep import detach_tracker, follow_timesteps, tracker_of
@@ -43,9 +43,8 @@ def install(target: Any, processor: TrtllmAttnProcessor) -> Any:
     roots = target_modules(target)
     record = processor._calibration
     if record is not None:  # a saved setting's calibration: refused before anything changes if made for other layers
-        check_layers(record.sections, {denoiser_name(attr): (type(uncompiled(root)).__name__,
-                                                             [name for name, _ in attention_modules(root)])
-                                       for attr, root in roots.items()}, record.source)
+        check_layers(record.sections, {denoiser_name(attr): model_layers(root) for attr, root in roots.items()},
+                     record.source)
     tracker = None
     served = 0
     for module_root in roots.values():

@@ -17,6 +17,7 @@ from ..config import DENOISER_PREFIXES, ControlTypeError, is_denoiser_name
 
 __all__ = ["DENOISER_PREFIXES", "is_denoiser_name", "denoisers", "target_modules", "uncompiled", "attention_modules"]
 
+
 def denoisers(pipe: Any, purpose: str = "serve") -> dict[str, torch.nn.Module]:
     """A pipeline's denoisers by component name; raises ``ControlTypeError`` (also a ValueError) if none.
 
