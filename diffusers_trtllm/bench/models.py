@@ -14,7 +14,7 @@ structured weights).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -106,6 +106,28 @@ _QWENIMAGE = {
     "joint_attention_dim": 3584, "num_attention_heads": 24, "num_layers": 60, "out_channels": 16, "patch_size": 2,
 }
 
+_FLUX_DEV = ModelSpec(
+    "flux.1-dev", "FluxTransformer2DModel", "flux",
+    {
+        "attention_head_dim": 128,
+        "axes_dims_rope": [16, 56, 56],
+        "guidance_embeds": True,
+        "in_channels": 64,
+        "joint_attention_dim": 4096,
+        "num_attention_heads": 24,
+        "num_layers": 19,
+        "num_single_layers": 38,
+        "patch_size": 1,
+        "pooled_projection_dim": 768,
+    },
+    # 1024x1024: VAE stride 8 and 2x2 packing give a 64 x 64 token grid.
+    (64, 64), 512,
+    {"num_layers": 1, "num_single_layers": 1, "attention_head_dim": 16, "num_attention_heads": 2,
+     "joint_attention_dim": 32, "pooled_projection_dim": 32, "axes_dims_rope": [4, 4, 8], "in_channels": 4},
+    (4, 4), 8,
+    {"num_layers": 1, "num_single_layers": 0, "num_attention_heads": 2}, contrast=48.0,
+)
+
 MODELS: dict[str, ModelSpec] = {
     s.name: s
     for s in (
@@ -122,27 +144,9 @@ MODELS: dict[str, ModelSpec] = {
             {**_WAN_21, "ffn_dim": 8960, "num_attention_heads": 12, "num_layers": 30},
             _WAN_480P, 512, _WAN_TINY, (16, 2, 4, 8), 8, _WAN_PROBE, contrast=32.0,
         ),
-        ModelSpec(
-            "flux.1-dev", "FluxTransformer2DModel", "flux",
-            {
-                "attention_head_dim": 128,
-                "axes_dims_rope": [16, 56, 56],
-                "guidance_embeds": True,
-                "in_channels": 64,
-                "joint_attention_dim": 4096,
-                "num_attention_heads": 24,
-                "num_layers": 19,
-                "num_single_layers": 38,
-                "patch_size": 1,
-                "pooled_projection_dim": 768,
-            },
-            # 1024x1024: VAE stride 8 and 2x2 packing give a 64 x 64 token grid.
-            (64, 64), 512,
-            {"num_layers": 1, "num_single_layers": 1, "attention_head_dim": 16, "num_attention_heads": 2,
-             "joint_attention_dim": 32, "pooled_projection_dim": 32, "axes_dims_rope": [4, 4, 8], "in_channels": 4},
-            (4, 4), 8,
-            {"num_layers": 1, "num_single_layers": 0, "num_attention_heads": 2}, contrast=48.0,
-        ),
+        _FLUX_DEV,
+        # 2048x2048: a 128 x 128 token grid, 16,896 tokens with the text (issue 57's long image row).
+        replace(_FLUX_DEV, name="flux.1-dev-2048", latent=(128, 128)),
         ModelSpec(
             "hunyuanvideo-544p", "HunyuanVideoTransformer3DModel", "hunyuanvideo", _HUNYUANVIDEO, _HUNYUANVIDEO_544P,
             256,
