@@ -35,7 +35,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 __all__ = ["launch", "launch_key"]
 
 _REQUIRED = inspect.Parameter.empty
-_INT32_MIN, _INT32_MAX, _UINT64_MIN = -(2**31), 2**31 - 1, 2**63
+_TENSOR = torch.Tensor
 
 
 class _Unkeyed(Exception):
@@ -89,16 +89,16 @@ def _specialization(x: Any) -> Any:
     class (1, a constant; divisible by 16; its 32-, 64- or unsigned 64-bit type); a host tensor descriptor's dtype,
     block, rank and padding; a float's, bool's, None's type."""
     t = type(x)
-    if t is torch.Tensor:
+    if t is _TENSOR:
         return x.dtype, not x.data_ptr() & 15
-    if t is TensorDescriptor:
-        return t, x.base.dtype, tuple(x.block_shape), len(x.shape), x.padding, getattr(x, "round_f32_to_tf32", False)
     if t is int:
         if x == 1:
             return 1
-        return (0 if _INT32_MIN <= x <= _INT32_MAX else (2 if x < _UINT64_MIN else 4)) + (0 if x & 15 else 8)
+        return (0 if -0x80000000 <= x <= 0x7FFFFFFF else (2 if x < 0x8000000000000000 else 4)) + (0 if x & 15 else 8)
     if t is float or t is bool or x is None:
         return t
+    if t is TensorDescriptor:
+        return t, x.base.dtype, tuple(x.block_shape), len(x.shape), x.padding, getattr(x, "round_f32_to_tf32", False)
     raise _Unkeyed
 
 
