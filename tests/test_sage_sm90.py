@@ -397,3 +397,62 @@ def test_half_precision_exponential_is_far_inside_fp8_rounding():
     e4m3 = torch.float8_e4m3fn
     same = torch.tensor(got).to(e4m3) == torch.tensor(exact).to(e4m3)
     assert same.float().mean() > 0.97
+
+
+@pytest.mark.parametrize("skip_factor, collect_stats, return_lse", [(None, False, False), (0.5, True, True)])
+def test_launch_packs_the_params_and_tensor_maps_the_kernel_reads(monkeypatch, skip_factor, collect_stats, return_lse):
+    """The host side with the kernel faked: the packed parameter block is ``_Params`` field for field, and the three
+    TMA maps describe the quantized Q, K (``[tokens, heads * dim]`` bytes) and V^T, each encoded once for a
+    repeated call (the block and the address list are reused between launches)."""
+    from diffusers_trtllm.kernels.triton_quant import TritonSage
+
+    tokens, heads, kv_heads, dim = 300, 4, 2, 128
+    layout = PackedLayout.dense(1, tokens, tokens, "cpu")
+    q = torch.zeros(tokens, heads, dim, dtype=torch.bfloat16)
+    k = torch.zeros(tokens, kv_heads, dim, dtype=torch.bfloat16)
+    f32 = dict(dtype=torch.float32)
+    st = TritonSage(q=torch.zeros(tokens, heads, dim, dtype=torch.int8), k=torch.zeros(tokens, kv_heads, dim, dtype=torch.int8),
+                    vt=torch.zeros(kv_heads * dim, 352, dtype=torch.uint8), q_scale=torch.zeros(heads, 5, **f32),
+                    k_scale=torch.zeros(kv_heads, 12, **f32), v_scale=torch.zeros(kv_heads, dim, **f32),
+                    v_mean=torch.zeros(kv_heads, dim, **f32), mma_key_order=True, k_mean=None)
+    encoded, launches = [], []
+
+    class Map:
+        def __init__(self, *described):
+            encoded.append(described)
+            self.address = 1000 + len(encoded)
+
+    class Kernel:
+        def launch(self, grid, block, arguments, stream):
+            params = sage_sm90._Params.from_buffer_copy(ctypes.string_at(arguments[3], ctypes.sizeof(sage_sm90._Params)))
+            launches.append((grid, block, list(arguments[:3]), stream, params))
+
+    kernels = []
+    monkeypatch.setattr(cuda_jit.TensorMap, "bytes_2d", Map)
+    monkeypatch.setattr(cuda_jit, "_TENSOR_MAPS", {})
+    monkeypatch.setattr(sage_sm90, "_check_call", lambda q, k, quant: None)
+    monkeypatch.setattr(sage_sm90, "_kernel", lambda *args: kernels.append(args) or Kernel())
+    monkeypatch.setattr(cuda_jit, "current_stream", lambda device: 77)
+    monkeypatch.setattr(sage_sm90, "lse_before_smoothing", lambda lse, *args: lse)
+    for _ in range(2):
+        res = sage_sm90.sage_sm90_attention(q, k, k, layout, softmax_scale=0.125, quant=QuantConfig("int8"),
+                                            skip_factor=skip_factor, collect_stats=collect_stats, quantized=st,
+                                            return_lse=return_lse)
+    assert encoded == [(st.q.data_ptr(), tokens, heads * dim, heads * dim, dim, 128),
+                       (st.k.data_ptr(), tokens, kv_heads * dim, kv_heads * dim, dim, 128),
+                       (st.vt.data_ptr(), kv_heads * dim, 352, 352, 128, dim)]
+    assert kernels[0] == (q.device, dim, torch.bfloat16, 128, skip_factor is not None, ())
+    first, (grid, block, maps, stream, p) = launches  # p: the last call's, whose ``res`` is here
+    assert (grid, block, maps, stream) == ((3, heads, 1), 384, [1001, 1002, 1003], 77) and first[2] == maps
+    count = collect_stats and skip_factor is not None
+    quant = sage_sm90._route_quant(QuantConfig("int8"))
+    assert [getattr(p, f) for f, _ in p._fields_] == [
+        res.out.data_ptr(), st.q_scale.data_ptr(), st.k_scale.data_ptr(), st.v_scale.data_ptr(), st.v_mean.data_ptr(),
+        layout.cu_seqlens_q.data_ptr(), layout.cu_seqlens_kv.data_ptr(), p.stats if count else res.out.data_ptr(),
+        pytest.approx(0.125 * 1.4426950408889634), skip_factor or 0.0, 5, 12, heads * dim, dim, heads, 2,
+        quant.q_block_size.bit_length() - 1, 7, int(count), int(sage_sm90.K_PER_THREAD), res.lse.data_ptr() if return_lse else None]
+    if count:
+        assert p.stats not in (None, res.out.data_ptr())
+    with pytest.raises(ValueError, match="quantized.q must be a contiguous tensor of 1-byte elements"):
+        sage_sm90.sage_sm90_attention(q, k, k, layout, softmax_scale=0.125, quant=QuantConfig("int8"),
+                                      quantized=replace(st, q=st.q.transpose(0, 1)))

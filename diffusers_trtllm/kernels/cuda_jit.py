@@ -33,7 +33,7 @@ import torch
 from .._logging import logger
 
 __all__ = ["CudaKernel", "Nvcc", "Nvrtc", "TensorMap", "cache_dir", "compile_cubin", "compiler_missing",
-           "find_compiler", "find_nvcc", "find_nvrtc", "load_kernels", "source_path"]
+           "current_stream", "find_compiler", "find_nvcc", "find_nvrtc", "load_kernels", "source_path"]
 
 CSRC = Path(__file__).with_name("csrc")
 
@@ -340,45 +340,40 @@ class TensorMap:
         self.address = (ctypes.addressof(self._buffer) + 63) & ~63
 
     @classmethod
-    def tiles_2d(cls, x: torch.Tensor, box_cols: int, box_rows: int) -> "TensorMap":
-        """Boxes of ``box_rows x box_cols`` bytes over a row-major 2-D tensor of 1-byte elements,
-        swizzled by the box's row width (64 or 128 bytes), as the kernels' shared-memory layout reads them."""
-        if x.dim() != 2 or x.element_size() != 1 or x.stride(1) != 1:
-            raise ValueError(f"a TMA map needs a 2-D tensor of bytes with unit inner stride; got {tuple(x.shape)}")
+    def bytes_2d(cls, address: int, rows: int, cols: int, row_stride: int, box_cols: int, box_rows: int) -> "TensorMap":
+        """Boxes of ``box_rows x box_cols`` bytes over a row-major ``rows x cols`` array of bytes at ``address``
+        (``row_stride`` bytes apart), swizzled by the box's row width (64 or 128 bytes), as the kernels'
+        shared-memory layout reads them."""
         m = cls()
-        dims = (ctypes.c_uint64 * 2)(x.shape[1], x.shape[0])
-        strides = (ctypes.c_uint64 * 1)(x.stride(0))
+        dims = (ctypes.c_uint64 * 2)(cols, rows)
+        strides = (ctypes.c_uint64 * 1)(row_stride)
         box = (ctypes.c_uint32 * 2)(box_cols, box_rows)
         ones = (ctypes.c_uint32 * 2)(1, 1)
-        _check(_driver().cuTensorMapEncodeTiled(ctypes.c_void_p(m.address), _TMAP_UINT8, 2, ctypes.c_void_p(x.data_ptr()),
+        _check(_driver().cuTensorMapEncodeTiled(ctypes.c_void_p(m.address), _TMAP_UINT8, 2, ctypes.c_void_p(address),
                                                 dims, strides, box, ones, 0, _SWIZZLE[box_cols], _L2_PROMOTE_256B, 0),
-               f"cuTensorMapEncodeTiled({tuple(x.shape)}, box {box_rows}x{box_cols})")
+               f"cuTensorMapEncodeTiled(({rows}, {cols}), box {box_rows}x{box_cols})")
         return m
 
-
     @classmethod
-    def cached_tiles_2d(cls, x: torch.Tensor, box_cols: int, box_rows: int) -> "TensorMap":
-        """``tiles_2d``, reused while the address, shape, stride and box are the same: a descriptor holds nothing
-        else, and torch's caching allocator hands a layer's tensors of one shape the same memory call after call,
-        so a call of a known shape mostly skips the driver's encoding."""
-        key = (x.data_ptr(), x.device.index, *x.shape, x.stride(0), box_cols, box_rows)
+    def cached_bytes_2d(cls, address: int, rows: int, cols: int, row_stride: int, box_cols: int,
+                        box_rows: int) -> "TensorMap":
+        """``bytes_2d``, reused while the address, shape, stride and box are the same: a descriptor holds nothing
+        else (addresses are unique across devices: CUDA's unified addressing), and torch's caching allocator
+        hands a layer's tensors of one shape the same memory call after call, so a call of a known shape mostly
+        skips the driver's encoding."""
+        key = (address, rows, cols, row_stride, box_cols, box_rows)
         found = _TENSOR_MAPS.get(key)
         if found is None:
-            found = cls.tiles_2d(x, box_cols, box_rows)
+            found = cls.bytes_2d(*key)
             if len(_TENSOR_MAPS) >= _TENSOR_MAPS_MAX:
                 _TENSOR_MAPS.pop(next(iter(_TENSOR_MAPS)))
             _TENSOR_MAPS[key] = found
         return found
 
 
-#: ``TensorMap.cached_tiles_2d``'s descriptors by what they describe, oldest first.
+#: ``TensorMap.cached_bytes_2d``'s descriptors by what they describe, oldest first.
 _TENSOR_MAPS: dict[tuple, TensorMap] = {}
 _TENSOR_MAPS_MAX = 256
-
-
-def argument_address(arg: TensorMap | ctypes.Structure) -> int:
-    """Where a kernel argument's bytes are, for ``cuLaunchKernel``'s parameter list."""
-    return arg.address if isinstance(arg, TensorMap) else ctypes.addressof(arg)
 
 
 @dataclass(frozen=True)
@@ -389,11 +384,19 @@ class CudaKernel:
     shared_bytes: int
     name: str
 
-    def launch(self, grid: tuple[int, int, int], block: int, args: list[TensorMap | ctypes.Structure],
-               stream: torch.cuda.Stream) -> None:
-        params = (ctypes.c_void_p * len(args))(*[argument_address(a) for a in args])
-        _check(_driver().cuLaunchKernel(ctypes.c_void_p(self.function), *grid, block, 1, 1, self.shared_bytes,
-                                        ctypes.c_void_p(stream.cuda_stream), params, None), f"launch of {self.name}")
+    def launch(self, grid: tuple[int, int, int], block: int, arguments: ctypes.Array, stream: int) -> None:
+        """Launch on the raw CUDA ``stream``; ``arguments`` holds each argument's address (a ``TensorMap``'s
+        ``address``, a parameter block's), as ``cuLaunchKernel`` takes them. The driver copies the arguments at
+        the launch, so their memory may be reused as soon as this returns."""
+        result = _driver().cuLaunchKernel(self.function, *grid, block, 1, 1, self.shared_bytes, stream, arguments, None)
+        if result:
+            _check(result, f"launch of {self.name}")
+
+
+def current_stream(device: torch.device) -> int:
+    """The raw handle of torch's current stream on a CUDA ``device``, in one C call (no ``torch.cuda.Stream``
+    object), as Triton reads it."""
+    return torch._C._cuda_getCurrentRawStream(device.index)
 
 
 _lock = threading.Lock()

@@ -84,6 +84,8 @@ def restore_lse(lse: torch.Tensor, q: torch.Tensor, quant: Fp8TensorQuant, softm
 try:  # the fused CUDA quantizer; without Triton the torch path above runs everywhere
     import triton
     import triton.language as tl
+
+    from .triton_launch import launch
 except ImportError:  # pragma: no cover - triton is a test dependency
     _triton_kernel = None
 else:
@@ -122,8 +124,8 @@ def _launch(q, k, v, q8, kv8, qk_scales, k_mean, v_mean, v_scale) -> None:
     tokens_q, heads, dim = q.shape
     tokens_kv, kv_heads, _ = k.shape
     grid = (triton.cdiv(max(tokens_q, tokens_kv), _BLOCK_T), heads)
-    _triton_kernel[grid](
-        q, k, v, q8, kv8, qk_scales, k_mean, v_mean, v_scale,
+    launch(
+        _triton_kernel, grid, q, k, v, q8, kv8, qk_scales, k_mean, v_mean, v_scale,
         tokens_q, tokens_kv,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         H=heads, HKV=kv_heads, D=dim, BLOCK_T=_BLOCK_T, num_warps=4,

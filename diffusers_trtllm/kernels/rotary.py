@@ -37,6 +37,8 @@ import torch
 try:
     import triton
     import triton.language as tl
+
+    from .triton_launch import launch
 except ImportError:  # the torch form serves every call
     triton = None
 
@@ -147,7 +149,8 @@ def _launch(query: torch.Tensor, key: torch.Tensor, freqs_cos: torch.Tensor, fre
         return freqs.stride(0) if freqs.shape[0] > 1 else 0
 
     rotated = freqs_cos.shape[1]
-    _rotate_kernel[(triton.cdiv(tokens, ROTARY_BLOCK_S), batch)](
+    launch(
+        _rotate_kernel, (triton.cdiv(tokens, ROTARY_BLOCK_S), batch),
         query, key, q_out, k_out, freqs_cos, freqs_sin, tokens, start, rotated, query.shape[2], key.shape[2],
         query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
         batch_stride(freqs_cos), freqs_cos.stride(1), batch_stride(freqs_sin), freqs_sin.stride(1),

@@ -16,6 +16,8 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import struct
+import threading
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -63,6 +65,23 @@ class _Params(ctypes.Structure):
                 ("out_stride_h", ctypes.c_longlong), ("heads", ctypes.c_int), ("group", ctypes.c_int),
                 ("q_shift", ctypes.c_int), ("k_shift", ctypes.c_int), ("count_skipped", ctypes.c_int),
                 ("k_per_thread", ctypes.c_int), ("lse", ctypes.c_void_p)]
+
+
+#: ``_Params`` as ``struct`` packs it (its fields leave no padding), in one C call per launch.
+_PARAMS = struct.Struct("=" + "".join({ctypes.c_void_p: "Q", ctypes.c_float: "f", ctypes.c_int: "i",
+                                       ctypes.c_longlong: "q"}[t] for _, t in _Params._fields_))
+
+
+class _Arguments(threading.local):
+    """A thread's parameter block and ``cuLaunchKernel``'s list of argument addresses (three TMA maps, then the
+    block): the driver copies both at the launch, so each launch refills the same memory."""
+
+    def __init__(self) -> None:
+        self.params = ctypes.create_string_buffer(_PARAMS.size)
+        self.addresses = (ctypes.c_void_p * 4)(0, 0, 0, ctypes.addressof(self.params))
+
+
+_ARGUMENTS = _Arguments()
 
 
 @dataclass(frozen=True)
@@ -124,17 +143,20 @@ def build_kernels(variants: Iterable[Variant] = VARIANTS, builds: Iterable[tuple
         return list(tqdm(done, total=len(work), desc=f"sage-sm90 kernels ({compiler.version})", unit="kernel"))
 
 
-def _kernel(device: torch.device, variant: Variant, defines: tuple[str, ...] = ()) -> cuda_jit.CudaKernel:
-    return _loaded_kernel(device, variant, defines, os.environ.get("DIFFUSERS_TRTLLM_NVCC"),
-                          os.environ.get("DIFFUSERS_TRTLLM_CACHE"))
+def _kernel(device: torch.device, head_dim: int, out_dtype: torch.dtype, k_block_size: int, skip: bool,
+            defines: tuple[str, ...] = ()) -> cuda_jit.CudaKernel:
+    """The loaded entry point of ``Variant(head_dim, out_dtype, k_block_size, skip)``."""
+    return _loaded_kernel(device, head_dim, out_dtype, k_block_size, skip, defines,
+                          os.environ.get("DIFFUSERS_TRTLLM_NVCC"), os.environ.get("DIFFUSERS_TRTLLM_CACHE"))
 
 
 @functools.lru_cache(maxsize=256)
-def _loaded_kernel(device: torch.device, variant: Variant, defines: tuple[str, ...], nvcc: str | None,
-                   cache: str | None) -> cuda_jit.CudaKernel:
+def _loaded_kernel(device: torch.device, head_dim: int, out_dtype: torch.dtype, k_block_size: int, skip: bool,
+                   defines: tuple[str, ...], nvcc: str | None, cache: str | None) -> cuda_jit.CudaKernel:
     """``_kernel``'s entry point, found once per device, variant, build, ``$DIFFUSERS_TRTLLM_NVCC`` (which
     ``find_compiler`` reads) and ``$DIFFUSERS_TRTLLM_CACHE`` (where the cubin is): a call of a known shape finds it
-    without the compiler's or the cubin's lookups."""
+    without the compiler's or the cubin's lookups (nor building a ``Variant``)."""
+    variant = Variant(head_dim, out_dtype, k_block_size, skip)
     cubin = sage_sm90_cubin(variant, defines, cuda_jit.find_compiler())
     return cuda_jit.load_kernels(cubin, (variant.name,), device)[variant.name]
 
@@ -165,6 +187,15 @@ def sage_sm90_quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout
     return sage_quantize_triton(q, k, v, layout, _route_quant(quant), mma_key_order=True)
 
 
+def _check_quantized(st: TritonSage) -> None:
+    """Inputs given by the caller are what the kernel's TMA maps describe: contiguous bytes."""
+    for name in ("q", "k", "vt"):
+        x = getattr(st, name)
+        if x.element_size() != 1 or not x.is_contiguous():
+            raise ValueError(f"quantized.{name} must be a contiguous tensor of 1-byte elements; got {x.dtype} "
+                             f"with strides {tuple(x.stride())}")
+
+
 def sage_sm90_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -188,29 +219,35 @@ def sage_sm90_attention(
     quant = _route_quant(quant)
     _check_call(q, k, quant)
     st = quantized if quantized is not None else sage_sm90_quantize(q, k, v, layout, quant)
+    if quantized is not None:
+        _check_quantized(quantized)
     tokens_q, heads, dim = q.shape
     tokens_kv, kv_heads = k.shape[:2]
-    out = torch.empty(tokens_q, heads, dim, dtype=q.dtype, device=q.device)
+    device = q.device
+    out = torch.empty(tokens_q, heads, dim, dtype=q.dtype, device=device)
     count = collect_stats and skip_factor is not None
-    stats = torch.zeros(1, dtype=torch.int32, device=q.device) if count else out
-    lse = torch.empty(tokens_q, heads, dtype=torch.float32, device=q.device) if return_lse else None
-    maps = (
-        cuda_jit.TensorMap.cached_tiles_2d(st.q.view(torch.uint8).view(tokens_q, heads * dim), dim, _CTA_ROWS),
-        cuda_jit.TensorMap.cached_tiles_2d(st.k.view(torch.uint8).view(tokens_kv, kv_heads * dim), dim, BLOCK_N),
-        cuda_jit.TensorMap.cached_tiles_2d(st.vt.view(torch.uint8), BLOCK_N, dim),
-    )
-    params = _Params(
+    stats = torch.zeros(1, dtype=torch.int32, device=device) if count else out
+    lse = torch.empty(tokens_q, heads, dtype=torch.float32, device=device) if return_lse else None
+    # The quantized Q, K ([tokens, heads * dim] bytes) and V^T ([kv_heads * dim, padded tokens] bytes), contiguous.
+    tensor_map = cuda_jit.TensorMap.cached_bytes_2d
+    arguments = _ARGUMENTS.addresses
+    arguments[0] = tensor_map(st.q.data_ptr(), tokens_q, heads * dim, heads * dim, dim, _CTA_ROWS).address
+    arguments[1] = tensor_map(st.k.data_ptr(), tokens_kv, kv_heads * dim, kv_heads * dim, dim, BLOCK_N).address
+    vt_rows, vt_cols = st.vt.shape
+    arguments[2] = tensor_map(st.vt.data_ptr(), vt_rows, vt_cols, vt_cols, BLOCK_N, dim).address
+    _PARAMS.pack_into(
+        _ARGUMENTS.params, 0,
         out.data_ptr(), st.q_scale.data_ptr(), st.k_scale.data_ptr(), st.v_scale.data_ptr(), st.v_mean.data_ptr(),
         layout.cu_seqlens_q.data_ptr(), layout.cu_seqlens_kv.data_ptr(), stats.data_ptr(),
-        softmax_scale * LOG2E, float(skip_factor or 0.0), st.q_scale.shape[1], st.k_scale.shape[1],
-        out.stride(0), out.stride(1), heads, heads // kv_heads,
-        quant.q_block_size.bit_length() - 1, quant.k_block_size.bit_length() - 1, int(count), int(quant.k_per_thread),
-        lse.data_ptr() if lse is not None else None,
+        softmax_scale * LOG2E, skip_factor or 0.0, st.q_scale.shape[1], st.k_scale.shape[1],
+        heads * dim, dim, heads, heads // kv_heads,  # out's strides: it is contiguous [tokens, heads, dim]
+        quant.q_block_size.bit_length() - 1, quant.k_block_size.bit_length() - 1, count, quant.k_per_thread,
+        lse.data_ptr() if lse is not None else 0,
     )
     # A skip factor of 0 can skip nothing (lambda = 0): the kernel without the vote gives the same output, faster.
-    kernel = _kernel(q.device, Variant(dim, q.dtype, quant.k_block_size, bool(skip_factor)), tuple(defines))
+    kernel = _kernel(device, dim, q.dtype, quant.k_block_size, bool(skip_factor), tuple(defines))
     grid = (-(-layout.max_seqlen_q // _CTA_ROWS), layout.num_seqs * heads, 1)
-    kernel.launch(grid, _THREADS, [*maps, params], torch.cuda.current_stream(q.device))
+    kernel.launch(grid, _THREADS, arguments, cuda_jit.current_stream(device))
     if return_lse and st.k_mean is not None:  # the kernel's is of the logits less q . k_mean (smooth_k)
         lse = lse_before_smoothing(lse, st.dequantized_q(layout, quant.q_block_size), st.k_mean, softmax_scale)
     return tile_output(out, stats, layout, heads, BLOCK_M, BLOCK_N, collect_stats, skip_factor, lse)

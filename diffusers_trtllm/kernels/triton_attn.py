@@ -87,6 +87,7 @@ else:
 
 if triton is not None:
     from . import triton_quant
+    from .triton_launch import launch
     from triton.language.extra import libdevice
 
     from .reference import FP16_MAX
@@ -347,8 +348,8 @@ def triton_attention(
     stats = torch.zeros(1, dtype=torch.int32, device=q.device) if collect_stats else out  # out: never written
     lse = torch.empty(tokens_q, heads, dtype=torch.float32, device=q.device) if return_lse else out  # never written
     grid = (triton.cdiv(layout.max_seqlen_q, bm), layout.num_seqs * heads)
-    _attn_fwd[grid](
-        *ops.descs, out, *ops.scales, stats, lse,
+    launch(
+        _attn_fwd, grid, *ops.descs, out, *ops.scales, stats, lse,
         layout.cu_seqlens_q, layout.cu_seqlens_kv, softmax_scale * LOG2E,
         float(skip_factor or 0.0), *ops.n_blocks, out.stride(0), out.stride(1),
         H=heads, GROUP=heads // kv_heads, HEAD_DIM=dim, BLOCK_M=bm, BLOCK_N=bn,

@@ -1,0 +1,71 @@
+"""Our Python's CPU cost for one served attention call, with every route's launches stubbed out (issue 57), on a
+machine without a GPU: ``profile_call.py``'s ``python_us`` where it cannot run.
+
+    python benchmarks/profile_python_cpu.py [--quant int8] [--backend reference] [--calls 20000]
+
+A tiny Flux's first joint attention layer, bound by ``install``, served through ``LayerState.serve`` (as a
+Diffusers model's eager forward calls it) and through ``attention`` directly, on CPU tensors of Flux 1024²'s
+shape (the plan cache keys on shapes, not values); the route's ``run`` returns a preallocated output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from profile_call import _stub_routes  # noqa: E402
+
+from diffusers_trtllm import TrtllmAttnProcessor, attention, install  # noqa: E402
+from diffusers_trtllm.serving.layer import layer_of  # noqa: E402
+
+
+def cpu_us(fn, calls: int, repeats: int = 5) -> float:
+    """Median over ``repeats`` of the CPU (thread) microseconds of one call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.thread_time()
+        for _ in range(calls):
+            fn()
+        times.append((time.thread_time() - start) / calls * 1e6)
+    return statistics.median(times)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quant", default="int8")
+    p.add_argument("--backend", default="reference")
+    p.add_argument("--tokens", type=int, default=4608, help="image and text tokens (Flux 1024²: 4,096 + 512)")
+    p.add_argument("--calls", type=int, default=20000)
+    args = p.parse_args()
+    import tiny_models
+
+    model, _ = tiny_models.build("flux")
+    proc = TrtllmAttnProcessor(quant=args.quant, backend=args.backend, policy="always")
+    install(model, proc)
+    state = layer_of(model.transformer_blocks[0].attn)
+    text = 512
+    q, k, v = (torch.randn(1, args.tokens, 24, 128, dtype=torch.bfloat16) for _ in range(3))
+    calls = {
+        "served": lambda: state.serve(q, k, v, None, None, None, None, args.tokens - text, text, False),
+        "attention": lambda: attention(q, k, v, quant=args.quant, backend=args.backend, policy="always"),
+    }
+    undo = _stub_routes()
+    try:
+        with torch.inference_mode():
+            for name, fn in calls.items():
+                print(f"{name:10s} {cpu_us(fn, args.calls):6.2f} us CPU per call (routes stubbed)")
+    finally:
+        undo()
+
+
+if __name__ == "__main__":
+    main()
