@@ -4,10 +4,10 @@
 
 Each setting is (tokens per Q/V program, warps per program of that many tokens, the launches of K's and V's
 tiles), per ``--k-blocks`` value (K programs take tiles of max(tokens, K block)); every setting's output must
-equal the default's bit for bit (the layout does not depend on them). ``--baseline FILE[,FILE]`` times other versions of ``triton_quant.py``
-beside them (an earlier commit's, ``git show REV:diffusers_trtllm/kernels/triton_quant.py > FILE``), their
-output checked the same way. ``copy ms`` is torch copying Q, K and V once (reads and writes of the quantizer's
-input size): the memory floor. ``ms`` is the whole quantizer, K and V's statistics (V's mean, min and max, K's
+equal the default's bit for bit (the layout does not depend on them). ``--baseline FILE[,FILE]`` times other
+versions of ``triton_quant.py`` beside them (an earlier commit's,
+``git show REV:diffusers_trtllm/kernels/triton_quant.py > FILE``), their output checked the same way. ``copy ms``
+is torch copying Q, K and V once (reads and writes of the quantizer's input size): the memory floor. ``ms`` is the whole quantizer, K and V's statistics (V's mean, min and max, K's
 sampled mean) included: they run in its first launch beside Q's tiles. A second table times, per statistics
 setting (tokens per span, per step, and the steps its loads are issued ahead), those programs alone
 (``kv_stats``), the whole quantizer with them, and the same statistics by torch's reductions (one pass for V's
@@ -70,9 +70,10 @@ def run_shape(shape, grid: list[tuple], stats_grid: list[tuple[int, ...]], iters
     time = lambda fn: time_fn(fn, dev, warmup=3, iters=iters).median_ms  # noqa: E731
     base = dict(shape=shape.name, k_block=k_block, copy_ms=time(lambda: [x.clone() for x in (q, k, v)]),
                 torch_stats_ms=time(lambda: (key_mean(k), channel_mean(v), torch.aminmax(v, dim=0))))
+    quantize = functools.partial(sage_sm90_quantize, q, k, v, layout, quant)
     rows = [dict(base, table="stats", **dict(zip(STATS_SETTINGS, setting)), default=setting == _current(STATS_SETTINGS),
                  ms=_with(STATS_SETTINGS, setting, lambda: time(lambda: triton_quant.kv_stats(k, v, True))),
-                 quantize_ms=_with(STATS_SETTINGS, setting, lambda: time(lambda: sage_sm90_quantize(q, k, v, layout, quant))))
+                 quantize_ms=_with(STATS_SETTINGS, setting, lambda: time(quantize)))
             for setting in stats_grid]
     candidates = [(dict(zip(SETTINGS, setting), default=setting == _current(SETTINGS)), setting, None) for setting in grid]
     candidates += [(dict(zip(SETTINGS, (name,) * len(SETTINGS)), default=False), None, module)
