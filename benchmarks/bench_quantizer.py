@@ -7,13 +7,13 @@ tiles), per ``--k-blocks`` value (K programs take tiles of max(tokens, K block))
 equal the default's bit for bit (the layout does not depend on them). ``--baseline FILE[,FILE]`` times other
 versions of ``triton_quant.py`` beside them (an earlier commit's,
 ``git show REV:diffusers_trtllm/kernels/triton_quant.py > FILE``), their output checked the same way. ``copy ms``
-is torch copying Q, K and V once (reads and writes of the quantizer's input size): the memory floor. ``ms`` is the whole quantizer, K and V's statistics (V's mean, min and max, K's
-sampled mean) included: they run in its first launch beside Q's tiles. A second table times, per statistics
-setting (tokens per span, per step, and the steps its loads are issued ahead), those programs alone
-(``kv_stats``), the whole quantizer with them, and the same statistics by torch's reductions (one pass for V's
-mean, one for its min and max). ``differ`` counts the output values (and scales) not bit-equal to the default
-setting's: 0 for every setting; a baseline whose V mean is summed in another order may move a few fp8 values of
-V by a rounding step.
+is torch copying Q, K and V once (reads and writes of the quantizer's input size): the memory floor. ``ms`` is the
+whole quantizer, K and V's statistics (V's mean, min and max, K's sampled mean) included: they run in its first
+launch beside Q's tiles. A second table times, per statistics setting (tokens per span, per step, and the steps its
+loads are issued ahead), those programs alone (``kv_stats``), the whole quantizer with them, and the same
+statistics by torch's reductions (one pass for V's mean, one for its min and max). ``differ`` counts the output
+values (and scales) not bit-equal to the default setting's: 0 for every setting; a baseline whose V mean is summed
+in another order may move a few fp8 values of V by a rounding step.
 """
 
 from __future__ import annotations
@@ -137,7 +137,8 @@ def main() -> None:
     p.add_argument("--block-t", default="64,128", help="tokens per Q/V program (multiples of 16)")
     p.add_argument("--warps", default="4,8", help="warps per program of --block-t tokens")
     p.add_argument("--launches", default="kv;k,v",
-                   help="';'-separated plans for the launches after the first, each the parts (K, V) of each launch")
+                   help="';'-separated plans for the launches after the first, each the parts (K, V) of each launch "
+                        "(of calls past QUANT_ONE_LAUNCH_TOKENS keys: shorter ones make QUANT_SHORT_LAUNCHES)")
     p.add_argument("--stats", default="512x16x3,512x16x1,256x16x3,512x32x3",
                    help="statistics settings, tokens per span x per step x steps loaded ahead")
     p.add_argument("--k-blocks", default="16,128", help="SAGE k_block_size values (128: K tiles of 128 tokens)")
