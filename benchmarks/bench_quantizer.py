@@ -2,16 +2,18 @@
 
     python3 benchmarks/bench_quantizer.py --shapes wan_14b_480p,flux_1024 --out benchmarks/results/quantizer_h200.json
 
-Each setting is (tokens per Q/V program, warps per program of that many tokens, launches), per ``--k-blocks``
-value (K programs take tiles of max(tokens, K block)); every setting's output must equal the default's bit for
-bit (the layout does not depend on them). ``--baseline FILE[,FILE]`` times other versions of ``triton_quant.py``
-beside them (an earlier commit's, ``git show REV:diffusers_trtllm/kernels/triton_quant.py > FILE``), their
-output checked the same way. ``copy ms`` is torch copying Q, K and V once (reads and writes of the quantizer's
-input size): the memory floor. ``ms`` includes what the quantizer runs before its launches: K's sampled mean and
-``kv_stats``' pass for V's mean, min and max and K's mean, timed alone per ``kv_stats`` setting in a second table beside
-the same statistics by torch's reductions (one pass for V's mean, one for its min and max). ``differ`` counts
-the output values (and scales) not bit-equal to the default setting's: 0 for every setting; a baseline whose V
-mean is summed in another order may move a few fp8 values of V by a rounding step.
+Each setting is (tokens per Q/V program, warps per program of that many tokens, the launches of K's and V's
+tiles), per ``--k-blocks`` value (K programs take tiles of max(tokens, K block)); every setting's output must
+equal the default's bit for bit (the layout does not depend on them). ``--baseline FILE[,FILE]`` times other
+versions of ``triton_quant.py`` beside them (an earlier commit's,
+``git show REV:diffusers_trtllm/kernels/triton_quant.py > FILE``), their output checked the same way. ``copy ms``
+is torch copying Q, K and V once (reads and writes of the quantizer's input size): the memory floor. ``ms`` is the
+whole quantizer, K and V's statistics (V's mean, min and max, K's sampled mean) included: they run in its first
+launch beside Q's tiles. A second table times, per statistics setting (tokens per span, per step, and the steps its
+loads are issued ahead), those programs alone (``kv_stats``), the whole quantizer with them, and the same
+statistics by torch's reductions (one pass for V's mean, one for its min and max). ``differ`` counts the output
+values (and scales) not bit-equal to the default setting's: 0 for every setting; a baseline whose V mean is summed
+in another order may move a few fp8 values of V by a rounding step.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from diffusers_trtllm.kernels.sage_sm90 import K_BLOCK, K_PER_THREAD, sage_sm90_
 from diffusers_trtllm.layout import PackedLayout
 
 SETTINGS = ("QUANT_BLOCK_T", "QUANT_WARPS", "QUANT_LAUNCHES")
-STATS_SETTINGS = ("V_STATS_BLOCK_T", "V_STATS_WARPS")
+STATS_SETTINGS = ("V_STATS_ROWS", "V_STATS_BLOCK_T", "V_STATS_STAGES")
 
 
 def load_baseline(path: str, index: int) -> ModuleType:
@@ -68,8 +70,10 @@ def run_shape(shape, grid: list[tuple], stats_grid: list[tuple[int, ...]], iters
     time = lambda fn: time_fn(fn, dev, warmup=3, iters=iters).median_ms  # noqa: E731
     base = dict(shape=shape.name, k_block=k_block, copy_ms=time(lambda: [x.clone() for x in (q, k, v)]),
                 torch_stats_ms=time(lambda: (key_mean(k), channel_mean(v), torch.aminmax(v, dim=0))))
+    quantize = functools.partial(sage_sm90_quantize, q, k, v, layout, quant)
     rows = [dict(base, table="stats", **dict(zip(STATS_SETTINGS, setting)), default=setting == _current(STATS_SETTINGS),
-                 ms=_with(STATS_SETTINGS, setting, lambda: time(lambda: triton_quant.kv_stats(k, v, True))))
+                 ms=_with(STATS_SETTINGS, setting, lambda: time(lambda: triton_quant.kv_stats(k, v, True))),
+                 quantize_ms=_with(STATS_SETTINGS, setting, lambda: time(quantize)))
             for setting in stats_grid]
     candidates = [(dict(zip(SETTINGS, setting), default=setting == _current(SETTINGS)), setting, None) for setting in grid]
     candidates += [(dict(zip(SETTINGS, (name,) * len(SETTINGS)), default=False), None, module)
@@ -110,7 +114,8 @@ def _with(names: tuple[str, ...], setting: tuple, fn):
 def markdown(result: dict) -> str:
     env = result["environment"]
     lines = [f"GPU {env['gpu']}, torch {env['torch']}, Triton {env['triton']}; `{result['command']}`", ""]
-    for table, names, extra in (("quantize", SETTINGS, ("copy ms", "differ")), ("stats", STATS_SETTINGS, ("torch stats ms",))):
+    for table, names, extra in (("quantize", SETTINGS, ("copy ms", "differ")),
+                                ("stats", STATS_SETTINGS, ("quantize ms", "torch stats ms"))):
         lines += ["| shape | k_block_size | " + " | ".join(names + ("ms",) + extra) + " |",
                   "|---|---:|" + "---:|" * (len(names) + 1 + len(extra))]
         for r in (r for r in result["rows"] if r["table"] == table):
@@ -119,8 +124,9 @@ def markdown(result: dict) -> str:
                 lines.append(f"| {r['shape']} | {cells} | failed: {r['error']} |" + " |" * len(extra))
                 continue
             mark = " (default)" if r["default"] else ""
-            tail = (f"{r['copy_ms']:.3f} | {r['differ']}",) if table == "quantize" else (f"{r['torch_stats_ms']:.3f}",)
-            lines.append(f"| {r['shape']} | {cells} | {r['ms']:.3f}{mark} | {tail[0]} |")
+            tail = (f"{r['copy_ms']:.3f} | {r['differ']}" if table == "quantize"
+                    else f"{r['quantize_ms']:.3f} | {r['torch_stats_ms']:.3f}")
+            lines.append(f"| {r['shape']} | {cells} | {r['ms']:.3f}{mark} | {tail} |")
         lines.append("")
     return "\n".join(lines)
 
@@ -130,8 +136,11 @@ def main() -> None:
     p.add_argument("--shapes", default="wan_14b_480p,wan_14b_720p,flux_1024")
     p.add_argument("--block-t", default="64,128", help="tokens per Q/V program (multiples of 16)")
     p.add_argument("--warps", default="4,8", help="warps per program of --block-t tokens")
-    p.add_argument("--launches", default="qkv;q,k,v", help="';'-separated launch plans, each the parts of each launch")
-    p.add_argument("--stats", default="16x4,32x4,32x8", help="kv_stats settings, tokens per step x warps")
+    p.add_argument("--launches", default="kv;k,v",
+                   help="';'-separated plans for the launches after the first, each the parts (K, V) of each launch "
+                        "(of calls past QUANT_ONE_LAUNCH_TOKENS keys: shorter ones make QUANT_SHORT_LAUNCHES)")
+    p.add_argument("--stats", default="512x16x3,512x16x1,256x16x3,512x32x3",
+                   help="statistics settings, tokens per span x per step x steps loaded ahead")
     p.add_argument("--k-blocks", default="16,128", help="SAGE k_block_size values (128: K tiles of 128 tokens)")
     p.add_argument("--baseline", default="", help="other triton_quant.py files (comma-separated) to time beside these")
     p.add_argument("--iters", type=int, default=20)

@@ -128,6 +128,33 @@ def _check_kv_stats():
     assert triton_quant.kv_stats(k, v, False).k_mean is None
 
 
+def _check_quantize_many_spans_twice():
+    """Statistics spans of 16 keys (10 per kv head over the ragged batch, the last one a single key; GQA, 4 query
+    heads over 2 kv heads): the reference's values, and a second call the first's bits, each leaving its heads'
+    span counters at 0 for the next (the last span to finish folds a head and resets its counter)."""
+    from diffusers_trtllm.config import QuantConfig
+    from diffusers_trtllm.kernels import triton_quant
+    from diffusers_trtllm.kernels.reference import block_ids
+
+    saved = triton_quant.V_STATS_ROWS
+    triton_quant.V_STATS_ROWS = 16
+    try:
+        _check_quantize("int8", 1, 16, True)
+        gen = torch.Generator().manual_seed(2)
+        q, k, v = (torch.randn(sum(LENS_KV), heads, 64, generator=gen).half() for heads in (4, 2, 2))
+        quant, layout = QuantConfig("int8", 1, 16, True), _layout(LENS_KV, LENS_KV)
+        runs = [triton_quant.sage_quantize_triton(q, k, v, layout, quant) for _ in range(2)]
+    finally:
+        triton_quant.V_STATS_ROWS = saved
+    assert not triton_quant._TICKETS[q.device].any()
+    q_used = block_ids(layout.cu_seqlens_q, layout.q_lens, 1)[0].unique()  # (the other scale slots are unwritten)
+    k_used = block_ids(layout.cu_seqlens_kv, layout.kv_lens, 16)[0].unique()
+    for st in runs:
+        st.q_scale, st.k_scale = st.q_scale[:, q_used], st.k_scale[:, k_used]
+    for name in ("q", "k", "vt", "q_scale", "k_scale", "v_scale", "v_mean", "k_mean"):
+        assert torch.equal(getattr(runs[0], name).float(), getattr(runs[1], name).float()), name
+
+
 def _assert_gaps_zero(got, layout, mma_key_order):
     """Columns of the transposed V that hold no key (between sequences, read by the masked last KV tile) are zeros."""
     from diffusers_trtllm.kernels.triton_quant import mma_key_column, vt_start
@@ -316,6 +343,7 @@ CASES = {
        for value in (math.nan, math.inf) for mma in (False, True)},
     "quantize-hypothesis-vs-reference": (_check_quantize_properties, ()),
     "kv-stats": (_check_kv_stats, ()),
+    "quantize-many-spans-twice": (_check_quantize_many_spans_twice, ()),
     "dense-fp32-d64-gqa": (_check_attention, (torch.float32, 64, 2, None, None)),
     "dense-fp16-d128": (_check_attention, (torch.float16, 128, 4, None, None)),
     "dense-fp16-d64-skip": (_check_attention, (torch.float16, 64, 4, None, 0.05)),
@@ -443,29 +471,36 @@ def test_quantizer_compiles_for_the_gpu(sm, dtype_qk, mma_key_order, smooth_k, k
     qk = torch.int8 if dtype_qk == "int8" else torch.float8_e4m3fn
     bf16, f32, i32 = (torch.empty(16, dtype=t) for t in (torch.bfloat16, torch.float32, torch.int32))
     quantized, vt = torch.empty(16, dtype=qk), torch.empty(16, dtype=torch.float8_e4m3fn if native else torch.float16)
-    runtime = (bf16, bf16, bf16, quantized, quantized, vt, f32, f32, f32, f32, f32, i32, i32,
-               7, 7, 4, 2, 4, 512, 2, 512, 128, 256, 128, 256, 128)
     block_k = max(triton_quant.QUANT_BLOCK_T, k_block)
-    constexprs = dict(H=4, HKV=2, D=128, BLOCK_T=triton_quant.QUANT_BLOCK_T, BLOCK_K=block_k, Q_BS=1, K_BS=k_block,
-                      QMAX=127 if dtype_qk == "int8" else 448, IS_INT8=dtype_qk == "int8", SMOOTH_K=smooth_k,
-                      NATIVE=native, MMA_KEY_ORDER=mma_key_order, K_PER_THREAD=per_thread)
-    kernel, args = triton_quant._sage_quant_kernel, runtime
-    for parts in {*triton_quant.QUANT_LAUNCHES, *triton_quant.QUANT_SHORT_LAUNCHES}:  # each launch it makes
-        consts = dict(constexprs, DO_Q="q" in parts, DO_K="k" in parts, DO_V="v" in parts)
+    common = dict(HKV=2, D=128, BLOCK_T=triton_quant.QUANT_BLOCK_T, QMAX=127 if dtype_qk == "int8" else 448,
+                  IS_INT8=dtype_qk == "int8", NATIVE=native, SMOOTH_K=smooth_k)
+    first = (triton_quant._q_and_stats_kernel,
+             (bf16, bf16, bf16, quantized, f32, f32, i32, i32, 7, 4, 2, 512, 512, 2, 1, 512, 128, 256, 128, 256, 128),
+             dict(common, H=4, Q_BS=1, STATS_BLOCK_T=triton_quant.V_STATS_BLOCK_T,
+                  STATS_STAGES=triton_quant.V_STATS_STAGES, DO_Q=True), triton_quant.QUANT_WARPS)
+    launches = [first] + [
+        (triton_quant._kv_quant_kernel, (bf16, bf16, quantized, vt, f32, f32, i32, 7, 2, 4, 512, 2, 256, 128, 256, 128),
+         dict(common, BLOCK_K=block_k, K_BS=k_block, MMA_KEY_ORDER=mma_key_order, K_PER_THREAD=per_thread,
+              DO_K="k" in parts, DO_V="v" in parts), triton_quant.launch_warps(parts, block_k))
+        for parts in {*triton_quant.QUANT_LAUNCHES, *triton_quant.QUANT_SHORT_LAUNCHES}]  # each launch it makes
+    for i, (kernel, args, consts, warps) in enumerate(launches):
         signature = {name: mangle_type(arg) for name, arg in zip(kernel.arg_names, args)}
         signature.update({name: "constexpr" for name in consts})
         aligned = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(args)
                    if isinstance(arg, torch.Tensor) or (isinstance(arg, int) and arg % 16 == 0)}
         try:
             compiled = triton.compile(ASTSource(kernel, signature, consts, aligned), target=GPUTarget("cuda", sm, 32),
-                                      options=dict(num_warps=triton_quant.launch_warps(parts, block_k)))
+                                      options=dict(num_warps=warps))
         except Exception as exc:  # a Triton without the CUDA backend, not a kernel bug
             if "backend" in str(exc).lower() and "cuda" in str(exc).lower():
                 pytest.skip(f"this Triton cannot compile for CUDA: {exc}")
             raise
-        assert compiled.asm["cubin"] and "st.global" in compiled.asm["ptx"]
-        stores = collections.Counter(re.findall(r"st\.global(?:\.v\d)?\.b\d+", compiled.asm["ptx"]))
+        ptx = compiled.asm["ptx"]
+        assert compiled.asm["cubin"] and "st.global" in ptx
+        stores = collections.Counter(re.findall(r"st\.global(?:\.v\d)?\.b\d+", ptx))
         assert set(stores) <= {"st.global.v4.b32", "st.global.b32"}, stores  # vectors, and the scales (fp32)
+        if i == 0:  # a statistics span's ticket publishes its partials, and the folding program's acquires them all
+            assert "atom.global.gpu.acq_rel.add" in ptx
 
 
 if __name__ == "__main__":

@@ -77,15 +77,17 @@ def test_dense_matches_reference(dim, kv_heads):
 @pytest.mark.parametrize("dtype_qk", ["int8", "fp8_e4m3"])
 @pytest.mark.parametrize("blocks", [(1, 16, False, False), (4, 4, True, False), (16, 1, False, False),
                                     (1, 128, False, True), (4, 16, True, True)])
-def test_sage_quantization_matches_reference(dtype_qk, blocks, launches, monkeypatch):
-    """``blocks``: Q block, K block, ``smooth_k``, K split per thread; ``launches``: Q, K and V quantized in one
-    launch (short calls) or one launch each (long calls)."""
+@pytest.mark.parametrize("dim,kv_heads", [(128, 8), (64, 2)])
+def test_sage_quantization_matches_reference(dtype_qk, blocks, launches, dim, kv_heads, monkeypatch):
+    """``blocks``: Q block, K block, ``smooth_k``, K split per thread; ``launches``: after the first launch (Q's
+    tiles beside K and V's statistics), K and V quantized in one launch (short calls) or one each (long calls);
+    8 query heads over ``kv_heads``."""
     from diffusers_trtllm.kernels import triton_quant
     from diffusers_trtllm.kernels.triton_quant import sage_quantize_triton
 
     if launches == "per-part":
         monkeypatch.setattr(triton_quant, "QUANT_ONE_LAUNCH_TOKENS", 0)
-    q, k, v, layout = _inputs(128)
+    q, k, v, layout = _inputs(dim, kv_heads=kv_heads)
     quant = QuantConfig(dtype_qk, *blocks[:3], k_per_thread=blocks[3])
     got = sage_quantize_triton(q, k, v, layout, quant)
     ref = sage_quantize(q, k, v, layout.cu_seqlens_q, layout.cu_seqlens_kv, layout.q_lens, layout.kv_lens, quant,
@@ -110,6 +112,30 @@ def test_sage_quantization_matches_reference(dtype_qk, blocks, launches, monkeyp
             rel = gap / torch.maximum(a.float().abs(), b.float().abs())[differ]
             assert rel.numel() == 0 or rel.max() <= 0.126, f"{name}: a value moved by more than one step"
 
+
+
+@pytest.mark.parametrize("span_rows", [512, 48])
+def test_quantizer_statistics_repeat_bit_for_bit(span_rows, monkeypatch):
+    """K and V's statistics, each head folded by whichever of its spans finishes last (92 of them with spans of
+    48 keys), in span order: thirty calls in a row give the first's bits and leave the span counters at 0; V's
+    extremes are torch's, its mean ``channel_mean``'s up to rounding."""
+    from diffusers_trtllm.kernels import triton_quant
+    from diffusers_trtllm.kernels.triton_quant import kv_stats, sage_quantize_triton
+
+    monkeypatch.setattr(triton_quant, "V_STATS_ROWS", span_rows)
+    q, k, v, layout = _inputs(128, kv_heads=2)
+    quant = QuantConfig("int8", 1, 16, True)
+    runs = [sage_quantize_triton(q, k, v, layout, quant) for _ in range(30)]
+    for st in runs[1:]:
+        for name in ("q", "k", "vt", "v_scale", "v_mean", "k_mean"):
+            a, b = getattr(runs[0], name), getattr(st, name)
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.element_size() == 1 else torch.equal(a, b)
+    assert not triton_quant._TICKETS[q.device].any()
+    stats = kv_stats(k, v, True)
+    assert torch.equal(stats.v_mean, runs[0].v_mean) and torch.equal(stats.k_mean, runs[0].k_mean)
+    lo, hi = torch.aminmax(v.float(), dim=0)
+    assert torch.equal(stats.v_min, lo) and torch.equal(stats.v_max, hi)
+    torch.testing.assert_close(stats.v_mean, channel_mean(v), rtol=1e-5, atol=1e-6)
 
 @pytest.mark.parametrize("dtype_qk", [None, "int8", "fp8_e4m3"])
 @pytest.mark.parametrize("skip", [None, 0.02])

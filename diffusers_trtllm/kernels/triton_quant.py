@@ -1,20 +1,27 @@
-"""SAGE quantization for the ``triton`` route: a statistics pass over K and V, then one Triton pass over Q, K and V.
+"""SAGE quantization for the ``triton`` route: Q's tiles beside K and V's statistics, then K's and V's tiles.
 
 Produces docs/design.md's layout (the one ``reference.sage_quantize`` defines): Q/K int8
 or fp8 e4m3 with one scale per (head, block of consecutive tokens of one
 sequence), V fp8 e4m3 with one scale per (head, channel), V less its per-(head, channel) mean
-(``smooth_v``), which the attention kernels add back to their output. First ``kv_stats`` (two launches: one pass
-over V for its mean, min and max per channel, and over K's sample for its mean with ``smooth_k``, then their fold
-into the means and V's channel scales), then the launches (``quant_launches``: for long calls one each for Q, K
-and V, each compiled with only its own part, so the small Q and V tiles do not pay the registers of K's larger
-ones; for short calls one, where a launch's fixed cost weighs more) quantize on a 1D grid of tiles: per (head,
-sequence) its Q tiles, K tiles and V tiles of consecutive tokens (64, K tiles a K block when that is longer),
-each read once, coalesced. V's channel scales need its amax less the mean over every token before any V tile
-can be quantized; the min and max give it exactly (``_kv_stats_finish``), so no reduction runs inside the
-quantizing launches. (Two earlier layouts measured slower
-on the H200, docs/design.md, "The quantizer": V by channel programs that read all tokens twice, a long serial
-path per program; and V by token tiles folding their amax into the scales by an atomic max, then a second
-launch.)
+(``smooth_v``), which the attention kernels add back to their output. Two launches (three for long calls):
+
+1. ``_q_and_stats_kernel``: first the statistics, a program per (kv head, span of ``V_STATS_ROWS`` tokens), the
+   long programs so that they start first: one pass over V for its sum, min and max per channel and over K's
+   sample for its sum (``smooth_k``); then Q's tiles, which need no statistic over the tokens. Each span stores
+   its partials and takes a ticket from its head's counter; the span that draws the last one folds the head's
+   spans in span order (the same bits every run, whichever span finishes last) into the means and V's channel
+   scales, and resets the counter for the next call. No program waits for another.
+2. ``_kv_quant_kernel``: K's and V's tiles, reading those stats. Calls of more than ``QUANT_ONE_LAUNCH_TOKENS``
+   keys launch K and V apart (``quant_launches``), each compiled with only its own part, so that V's small tiles
+   do not pay the registers of K's larger ones; shorter calls launch both at once, where a launch's fixed cost
+   (host time too) weighs more.
+
+Each tile of consecutive tokens (64, K tiles a K block when that is longer) of one (head, sequence) is read
+once, coalesced. V's channel scales need its amax less the mean over every token before any V tile can be
+quantized; the min and max give it exactly (``_kv_stats_fold``), so no reduction over the tokens runs with the
+tiles. (Two earlier layouts measured slower on the H200, docs/design.md, "The quantizer": V by channel programs
+that read all tokens twice, a long serial path per program; and V by token tiles folding their amax into the
+scales by an atomic max, then a second launch.)
 
 V is written transposed, ``[kv_heads * dim, padded tokens]``, because Hopper's
 fp8 tensor-core product needs the reduction dimension (tokens, in P·V)
@@ -58,21 +65,23 @@ VT_GAP_MAX = 47
 #: Warps per program of QUANT_BLOCK_T tokens. A launch with K tiles of more tokens (a K block of 128) gives all
 #: its programs proportionally more, so that a K tile's threads hold no more values each than a Q tile's.
 QUANT_WARPS = 8
-#: The launches the quantizer makes, each the parts (Q, K, V) it quantizes: a part launched alone is compiled
-#: alone, with the registers its own tiles need. Calls of at most ``QUANT_ONE_LAUNCH_TOKENS`` tokens (Q's and
-#: K's together) make one launch of all three (``QUANT_SHORT_LAUNCHES``), where a launch's fixed cost weighs more
-#: than the registers.
-QUANT_LAUNCHES = ("q", "k", "v")
-QUANT_SHORT_LAUNCHES = ("qkv",)
-QUANT_ONE_LAUNCH_TOKENS = 2 * 16896
-#: Tokens per program of ``kv_stats``' pass (at Wan 480p, 64 spans of each of the 40 heads), the tokens it reads
-#: per step, and its warps.
+#: The launches after the first (which quantizes Q beside K and V's statistics), each the parts (K, V) it
+#: quantizes: a part launched alone is compiled alone, with the registers its own tiles need. Calls of at most
+#: ``QUANT_ONE_LAUNCH_TOKENS`` keys make one launch of both (``QUANT_SHORT_LAUNCHES``), where a launch's fixed
+#: cost weighs more than the registers.
+QUANT_LAUNCHES = ("k", "v")
+QUANT_SHORT_LAUNCHES = ("kv",)
+QUANT_ONE_LAUNCH_TOKENS = 16896
+#: Tokens per statistics program of the first launch (at Wan 480p, 64 spans of each of the 40 heads), the tokens
+#: it reads per step (with ``QUANT_WARPS`` warps, the first launch's: 16 keep its registers near Q's tiles' own,
+#: 62-71 against 58 at d128 on sm_90, where 32 take 94-99), and the steps its loads are issued ahead (``tl.range``
+#: stages): a long serial chain of loads in the program that starts first would otherwise bound the launch.
 V_STATS_ROWS = 512
-V_STATS_BLOCK_T = 32
-V_STATS_WARPS = 4
+V_STATS_BLOCK_T = 16
+V_STATS_STAGES = 3
 #: (Spans of fewer tokens on short V, at least 2,048 programs, and a fold 16 spans a step, measured slower on an
-#: H100: 57 + 28 us against 40 + 3 us at flux_1024, 100 + 29 us against 81 + 10 us at 16,896 tokens;
-#: benchmarks/results/profile_call_h100_run2.md against _run1.md.)
+#: H100 when the stats had launches of their own: 57 + 28 us against 40 + 3 us at flux_1024, 100 + 29 us against
+#: 81 + 10 us at 16,896 tokens; benchmarks/results/profile_call_h100_run2.md against _run1.md.)
 _AMAX_FLOOR, _FP8_MAX = tl.constexpr(AMAX_FLOOR), tl.constexpr(FP8_MAX)
 
 
@@ -224,37 +233,54 @@ def _on_fp8_grid(y, NATIVE: tl.constexpr):
 
 
 @triton.jit
-def _sage_quant_kernel(
-    q_ptr, k_ptr, v_ptr, qo_ptr, ko_ptr, vt_ptr,
-    q_scale_ptr, k_scale_ptr, v_scale_ptr, k_mean_ptr, v_mean_ptr,
-    cu_q_ptr, cu_kv_ptr,
-    n_q_blocks, n_k_blocks, n_q_tiles, n_k_tiles, n_v_tiles, vt_stride, num_seqs,
+def _q_and_stats_kernel(
+    q_ptr, k_ptr, v_ptr, qo_ptr, q_scale_ptr, stats_ptr, tickets_ptr, cu_q_ptr,
+    n_q_blocks, n_q_tiles, num_seqs, kv_tokens, span_rows, spans, k_step,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-    H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-    Q_BS: tl.constexpr, K_BS: tl.constexpr, QMAX: tl.constexpr, IS_INT8: tl.constexpr,
-    SMOOTH_K: tl.constexpr, NATIVE: tl.constexpr, MMA_KEY_ORDER: tl.constexpr, K_PER_THREAD: tl.constexpr,
-    DO_Q: tl.constexpr, DO_K: tl.constexpr, DO_V: tl.constexpr,
+    H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, Q_BS: tl.constexpr,
+    QMAX: tl.constexpr, IS_INT8: tl.constexpr, NATIVE: tl.constexpr, SMOOTH_K: tl.constexpr,
+    STATS_BLOCK_T: tl.constexpr, STATS_STAGES: tl.constexpr, DO_Q: tl.constexpr,
 ):
-    # 1D grid: per (head, sequence), its Q tiles, then its K tiles, then its V tiles (tile fastest); a part this
-    # launch leaves out (DO_Q, DO_K, DO_V false) has no tiles and no code in it.
+    # 1D grid: first K and V's statistics, a program per (head, span of span_rows tokens) (span fastest), the
+    # longest programs so that they start first; then per (head, sequence) Q's tiles (tile fastest). Q needs no
+    # statistic, so its tiles need not wait for them. Without DO_Q (``kv_stats``) there are no Q tiles.
     pid = tl.program_id(0)
-    tiles = n_q_tiles + n_k_tiles + n_v_tiles
+    n_stats = spans * HKV
+    if pid < n_stats:
+        _kv_stats_span(k_ptr, stride_kt, stride_kh, v_ptr, stride_vt, stride_vh, stats_ptr, tickets_ptr, pid % spans,
+                       pid // spans, kv_tokens, span_rows, spans, k_step, HKV, D, STATS_BLOCK_T, STATS_STAGES, SMOOTH_K)
+    elif DO_Q:
+        pid -= n_stats
+        tile = pid % n_q_tiles
+        seq = (pid // n_q_tiles) % num_seqs
+        head = pid // (n_q_tiles * num_seqs)
+        _quantize_rows(q_ptr, stride_qt, stride_qh, qo_ptr, H, q_scale_ptr, n_q_blocks, stats_ptr, cu_q_ptr, seq, head,
+                       tile * BLOCK_T, D, BLOCK_T, Q_BS, QMAX, IS_INT8, NATIVE, False, False)
+
+
+@triton.jit
+def _kv_quant_kernel(
+    k_ptr, v_ptr, ko_ptr, vt_ptr, k_scale_ptr, stats_ptr, cu_kv_ptr,
+    n_k_blocks, n_k_tiles, n_v_tiles, vt_stride, num_seqs, stride_kt, stride_kh, stride_vt, stride_vh,
+    HKV: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, K_BS: tl.constexpr,
+    QMAX: tl.constexpr, IS_INT8: tl.constexpr, SMOOTH_K: tl.constexpr, NATIVE: tl.constexpr,
+    MMA_KEY_ORDER: tl.constexpr, K_PER_THREAD: tl.constexpr, DO_K: tl.constexpr, DO_V: tl.constexpr,
+):
+    # 1D grid: per (head, sequence), its K tiles, then its V tiles (tile fastest); a part this launch leaves out
+    # (DO_K, DO_V false) has no tiles and no code in it. The means and V's scales are the first launch's stats.
+    pid = tl.program_id(0)
+    tiles = n_k_tiles + n_v_tiles
     tile = pid % tiles
     seq = (pid // tiles) % num_seqs
     head = pid // (tiles * num_seqs)
-    if tile < n_q_tiles:
-        if DO_Q:
-            _quantize_rows(q_ptr, stride_qt, stride_qh, qo_ptr, H, q_scale_ptr, n_q_blocks, k_mean_ptr, cu_q_ptr,
-                           seq, head, tile * BLOCK_T, D, BLOCK_T, Q_BS, QMAX, IS_INT8, NATIVE, False, False)
-    elif head < HKV:
-        if tile < n_q_tiles + n_k_tiles:
-            if DO_K:
-                _quantize_rows(k_ptr, stride_kt, stride_kh, ko_ptr, HKV, k_scale_ptr, n_k_blocks, k_mean_ptr,
-                               cu_kv_ptr, seq, head, (tile - n_q_tiles) * BLOCK_K, D, BLOCK_K, K_BS, QMAX, IS_INT8,
-                               NATIVE, SMOOTH_K, K_PER_THREAD)
-        elif DO_V:
-            _quantize_v_rows(v_ptr, stride_vt, stride_vh, vt_ptr, vt_stride, v_scale_ptr, v_mean_ptr, cu_kv_ptr, seq,
-                             head, (tile - n_q_tiles - n_k_tiles) * BLOCK_T, D, BLOCK_T, NATIVE, MMA_KEY_ORDER)
+    if tile < n_k_tiles:
+        if DO_K:
+            _quantize_rows(k_ptr, stride_kt, stride_kh, ko_ptr, HKV, k_scale_ptr, n_k_blocks, stats_ptr, cu_kv_ptr,
+                           seq, head, tile * BLOCK_K, D, BLOCK_K, K_BS, QMAX, IS_INT8, NATIVE, SMOOTH_K, K_PER_THREAD)
+    elif DO_V:
+        _quantize_v_rows(v_ptr, stride_vt, stride_vh, vt_ptr, vt_stride, stats_ptr + 4 * HKV * D,
+                         stats_ptr + HKV * D, cu_kv_ptr, seq, head, (tile - n_k_tiles) * BLOCK_T, D, BLOCK_T, NATIVE,
+                         MMA_KEY_ORDER)
 
 
 @triton.jit
@@ -317,24 +343,27 @@ def _quantize_v_rows(v_ptr, stride_t, stride_h, vt_ptr, vt_stride, v_scale_ptr, 
 
 
 @triton.jit
-def _kv_stats_kernel(k_ptr, k_stride_t, k_stride_h, v_ptr, stride_t, stride_h, parts_ptr, tokens, rows_per_program,
-                     k_step, spans, HKV: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, SMOOTH_K: tl.constexpr):
-    """One (span of ``rows_per_program`` tokens, head) of V: its per-channel sum, min and max (NaN kept), and with
+def _kv_stats_span(k_ptr, k_stride_t, k_stride_h, v_ptr, stride_t, stride_h, stats_ptr, tickets_ptr, span, head,
+                   tokens, span_rows, spans, k_step, HKV: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
+                   STAGES: tl.constexpr, SMOOTH_K: tl.constexpr):
+    """One (span of ``span_rows`` tokens, head) of V: its per-channel sum, min and max (NaN kept), and with
     ``SMOOTH_K`` the sum of K's sampled rows (every ``k_step``-th key, ``reference.key_mean``'s), in slot
-    ``[span, head]`` of the partials ``[4 (V's sum, min, max, K's sum), spans, heads, dim]`` that ``_kv_stats_finish``
-    folds. Each thread keeps its own elements' running sums and extremes, reduced across the tile once at the end: a
+    ``[span, head]`` of the partials ``[4 (V's sum, min, max, K's sum), spans, heads, dim]`` that follow the stats.
+    Each thread keeps its own elements' running sums and extremes, reduced across the tile once at the end: a
     reduction over the tokens per step (through shared memory) took longer than the pass itself. K's rows left out
-    of the sample are masked, so they are not read."""
-    span = tl.program_id(0)
-    head = tl.program_id(1)
+    of the sample are masked, so they are not read.
+
+    The head's last span to finish folds them all (``_kv_stats_fold``): each span takes a ticket from the head's
+    counter once its partials are stored, and the one that draws the last ticket knows every other span's are
+    written. No program waits on another, so none depends on which run at the same time."""
     dims = tl.arange(0, D)
     total = tl.zeros((BLOCK_T, D), tl.float32)
     k_total = tl.zeros((BLOCK_T, D), tl.float32)
     lo = tl.full((BLOCK_T, D), float("inf"), tl.float32)
     hi = tl.full((BLOCK_T, D), float("-inf"), tl.float32)
-    first = span * rows_per_program
-    end = tl.minimum(first + rows_per_program, tokens)
-    for start in range(first, end, BLOCK_T):
+    first = span * span_rows
+    end = tl.minimum(first + span_rows, tokens)
+    for start in tl.range(first, end, BLOCK_T, num_stages=STAGES):  # loads issued STAGES - 1 steps ahead
         rows = start + tl.arange(0, BLOCK_T)
         ok = (rows < end)[:, None]
         x = tl.load(v_ptr + rows[:, None].to(tl.int64) * stride_t + head * stride_h + dims[None, :], mask=ok,
@@ -346,6 +375,7 @@ def _kv_stats_kernel(k_ptr, k_stride_t, k_stride_h, v_ptr, stride_t, stride_h, p
             sampled = ok & ((rows % k_step) == 0)[:, None]
             k_total += tl.load(k_ptr + rows[:, None].to(tl.int64) * k_stride_t + head * k_stride_h + dims[None, :],
                                mask=sampled, other=0.0).to(tl.float32)
+    parts_ptr = stats_ptr + 5 * HKV * D
     slot = (span * HKV + head) * D + dims
     plane = spans * HKV * D
     tl.store(parts_ptr + slot, tl.sum(total, 0))
@@ -353,14 +383,18 @@ def _kv_stats_kernel(k_ptr, k_stride_t, k_stride_h, v_ptr, stride_t, stride_h, p
     tl.store(parts_ptr + 2 * plane + slot, max_nan(hi, 0))
     if SMOOTH_K:
         tl.store(parts_ptr + 3 * plane + slot, tl.sum(k_total, 0))
+    tl.debug_barrier()  # every thread's partials stored before the ticket (acq_rel) publishes them
+    if tl.atomic_add(tickets_ptr + head, 1, sem="acq_rel") == spans - 1:
+        _kv_stats_fold(parts_ptr, stats_ptr, head, spans, tokens, (tokens + k_step - 1) // k_step, HKV, D, SMOOTH_K)
+        tl.store(tickets_ptr + head, 0)  # ready for the next call
 
 
 @triton.jit
-def _kv_stats_finish(parts_ptr, stats_ptr, spans, tokens, k_count, HKV: tl.constexpr, D: tl.constexpr,
-                     SMOOTH_K: tl.constexpr):
-    """One head: the spans' partials folded in span order into ``[5 (K's sampled mean, V's mean, min, max, channel
-    scales), heads, dim]``; K's mean is 0 in a channel where it is not finite, as ``reference.key_mean``'s."""
-    head = tl.program_id(0)
+def _kv_stats_fold(parts_ptr, stats_ptr, head, spans, tokens, k_count, HKV: tl.constexpr, D: tl.constexpr,
+                   SMOOTH_K: tl.constexpr):
+    """One head: the spans' partials folded in span order (so every run gives the same bits) into the stats
+    ``[5 (K's sampled mean, V's mean, min, max, channel scales), heads, dim]``; K's mean is 0 in a channel where
+    it is not finite, as ``reference.key_mean``'s. The partials are read past L1 (``.cg``): other SMs wrote them."""
     dims = tl.arange(0, D)
     plane = spans * HKV * D
     total = tl.zeros((D,), tl.float32)
@@ -368,12 +402,12 @@ def _kv_stats_finish(parts_ptr, stats_ptr, spans, tokens, k_count, HKV: tl.const
     lo = tl.full((D,), float("inf"), tl.float32)
     hi = tl.full((D,), float("-inf"), tl.float32)
     for span in range(0, spans):
-        slot = (span * HKV + head) * D + dims
-        total += tl.load(parts_ptr + slot)
-        lo = tl.minimum(lo, tl.load(parts_ptr + plane + slot), propagate_nan=tl.PropagateNan.ALL)
-        hi = _maximum_nan(hi, tl.load(parts_ptr + 2 * plane + slot))
+        slot = parts_ptr + (span * HKV + head) * D + dims
+        total += tl.load(slot, cache_modifier=".cg")
+        lo = tl.minimum(lo, tl.load(slot + plane, cache_modifier=".cg"), propagate_nan=tl.PropagateNan.ALL)
+        hi = _maximum_nan(hi, tl.load(slot + 2 * plane, cache_modifier=".cg"))
         if SMOOTH_K:
-            k_total += tl.load(parts_ptr + 3 * plane + slot)
+            k_total += tl.load(slot + 3 * plane, cache_modifier=".cg")
     mean = tl.math.div_rn(total, tokens.to(tl.float32))
     out = head * D + dims
     stats_plane = HKV * D
@@ -400,28 +434,46 @@ class KVStats:
     v_scale: torch.Tensor
 
 
+#: Per device, one counter per kv head of the statistics spans that have stored their partials, 0 between calls
+#: (the program that folds a head's spans resets its counter): allocated once, again only for more kv heads.
+#: Calls share them, so two must not run at once on two streams of one device (each runs on the current stream).
+_TICKETS: dict[torch.device, torch.Tensor] = {}
+_MIN_TICKETS = 256
+
+
+def _tickets(device: torch.device, kv_heads: int) -> torch.Tensor:
+    tickets = _TICKETS.get(device)
+    if tickets is None or len(tickets) < kv_heads:
+        tickets = _TICKETS[device] = torch.zeros(max(kv_heads, _MIN_TICKETS), dtype=torch.int32, device=device)
+    return tickets
+
+
+def _aligned(n: int) -> int:
+    """``n`` floats rounded up to 128 bytes: where the next part of a shared allocation may start."""
+    return -(-n // 32) * 32
+
+
 def kv_stats(k: torch.Tensor, v: torch.Tensor, smooth_k: bool) -> KVStats:
-    """``KVStats`` of packed ``[tokens, kv_heads, dim]`` K and V in two launches: one pass over V (and K's sample),
-    partial sums and extremes per span of ``V_STATS_ROWS`` tokens, then their fold per head. V's mean is
+    """``KVStats`` of packed ``[tokens, kv_heads, dim]`` K and V: the first launch's statistics programs alone
+    (``sage_quantize_triton`` runs them beside Q's tiles, for tests and timing). V's mean is
     ``reference.channel_mean``'s and K's ``reference.key_mean``'s up to fp32 rounding (summed in spans), not bit
     for bit (``reference.sage_quantize`` takes both as given)."""
     tokens, kv_heads, dim = v.shape
     spans = triton.cdiv(tokens, V_STATS_ROWS)
-    k_step = max(1, tokens // KEY_MEAN_SAMPLE)
-    parts = torch.empty(4, spans, kv_heads, dim, dtype=torch.float32, device=v.device)
-    stats = torch.empty(5, kv_heads, dim, dtype=torch.float32, device=v.device)
-    _kv_stats_kernel[(spans, kv_heads)](k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1), parts, tokens,
-                                        V_STATS_ROWS, k_step, spans, HKV=kv_heads, D=dim, BLOCK_T=V_STATS_BLOCK_T,
-                                        SMOOTH_K=smooth_k, num_warps=V_STATS_WARPS)
-    _kv_stats_finish[(kv_heads,)](parts, stats, spans, tokens, triton.cdiv(tokens, k_step), HKV=kv_heads, D=dim,
-                                  SMOOTH_K=smooth_k, num_warps=4)
-    k_mean, v_mean, v_min, v_max, v_scale = stats.unbind(0)
+    stats = torch.empty((5 + 4 * spans) * kv_heads * dim, dtype=torch.float32, device=v.device)
+    _q_and_stats_kernel[(spans * kv_heads,)](  # no Q: K's pointers and zeros in its place, unread
+        k, k, v, k, stats, stats, _tickets(v.device, kv_heads), stats, 0, 1, 1, tokens, V_STATS_ROWS, spans,
+        max(1, tokens // KEY_MEAN_SAMPLE), 0, 0, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        H=kv_heads, HKV=kv_heads, D=dim, BLOCK_T=QUANT_BLOCK_T, Q_BS=1, QMAX=127, IS_INT8=True, NATIVE=False,
+        SMOOTH_K=smooth_k, STATS_BLOCK_T=V_STATS_BLOCK_T, STATS_STAGES=V_STATS_STAGES, DO_Q=False,
+        num_warps=QUANT_WARPS)
+    k_mean, v_mean, v_min, v_max, v_scale = stats[:5 * kv_heads * dim].view(5, kv_heads, dim).unbind(0)
     return KVStats(k_mean if smooth_k else None, v_mean, v_min, v_max, v_scale)
 
 
-def quant_launches(tokens: int) -> tuple[str, ...]:
-    """The quantizer's launches for a call of ``tokens`` query and key tokens together."""
-    return QUANT_SHORT_LAUNCHES if tokens <= QUANT_ONE_LAUNCH_TOKENS else QUANT_LAUNCHES
+def quant_launches(kv_tokens: int) -> tuple[str, ...]:
+    """The parts of the launches after the first (K's and V's tiles) for a call of ``kv_tokens`` keys."""
+    return QUANT_SHORT_LAUNCHES if kv_tokens <= QUANT_ONE_LAUNCH_TOKENS else QUANT_LAUNCHES
 
 
 def launch_warps(parts: str, block_k: int) -> int:
@@ -442,44 +494,56 @@ def sage_quantize_triton(
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.stride(-1) != 1:
             raise ValueError(f"SAGE quantization needs a unit stride on the head dim of {name}; got {tuple(x.stride())}.")
-    native = fp8_native(q.device)
+    device = q.device
+    native = fp8_native(device)
     qk_dtype = quant.qk_dtype
-    if qk_dtype == torch.float8_e4m3fn and q.device.type == "cuda" and not native:
+    if qk_dtype == torch.float8_e4m3fn and device.type == "cuda" and not native:
         raise ValueError("quant.dtype_qk='fp8_e4m3' needs an SM89+ GPU; use dtype_qk='int8'.")
     n_q_blocks = scale_slots(layout.q_lens, quant.q_block_size)
     n_k_blocks = scale_slots(layout.kv_lens, quant.k_block_size, quant.k_per_thread)
-    stats = kv_stats(k, v, quant.smooth_k)  # smooth_v, always (docs/design.md, "V's mean"), and V's channel scales
+    spans = triton.cdiv(tokens_kv, V_STATS_ROWS)
+    # One float32 allocation for the small buffers: the stats [5, kv_heads, dim] (smooth_v always, docs/design.md,
+    # "V's mean"), the spans' partials after them, then Q's and K's scales.
+    q_scale_at = _aligned((5 + 4 * spans) * kv_heads * dim)
+    k_scale_at = q_scale_at + _aligned(heads * n_q_blocks)
+    floats = torch.empty(k_scale_at + kv_heads * n_k_blocks, dtype=torch.float32, device=device)
+    k_mean, v_mean, _, _, v_scale = floats[:5 * kv_heads * dim].view(5, kv_heads, dim).unbind(0)
     padded = vt_start.fn(layout.num_seqs, tokens_kv)
     out = TritonSage(
-        q=torch.empty(q.shape, dtype=qk_dtype, device=q.device),
-        k=torch.empty(k.shape, dtype=qk_dtype, device=q.device),
-        vt=torch.empty(kv_heads * dim, padded, dtype=torch.float8_e4m3fn if native else torch.float16, device=q.device),
-        q_scale=torch.empty(heads, n_q_blocks, dtype=torch.float32, device=q.device),
-        k_scale=torch.empty(kv_heads, n_k_blocks, dtype=torch.float32, device=q.device),
-        v_scale=stats.v_scale,
-        v_mean=stats.v_mean,
+        q=torch.empty(q.shape, dtype=qk_dtype, device=device),
+        k=torch.empty(k.shape, dtype=qk_dtype, device=device),
+        vt=torch.empty(kv_heads * dim, padded, dtype=torch.float8_e4m3fn if native else torch.float16, device=device),
+        q_scale=floats.as_strided((heads, n_q_blocks), (n_q_blocks, 1), q_scale_at),
+        k_scale=floats.as_strided((kv_heads, n_k_blocks), (n_k_blocks, 1), k_scale_at),
+        v_scale=v_scale,
+        v_mean=v_mean,
         mma_key_order=mma_key_order,
-        k_mean=stats.k_mean,
+        k_mean=k_mean if quant.smooth_k else None,
     )
-    # Q tiles of QUANT_BLOCK_T tokens, K tiles of at least a K block (a tile starts whole blocks:
-    # _quantize_tile), V tiles of QUANT_BLOCK_T columns over a sequence's keys and the gap after them.
-    block_k = max(QUANT_BLOCK_T, quant.k_block_size)
+    is_int8 = qk_dtype == torch.int8
+    # Launch 1: the stats' spans, then Q tiles of QUANT_BLOCK_T tokens.
     n_q_tiles = triton.cdiv(layout.max_seqlen_q, QUANT_BLOCK_T)
+    _q_and_stats_kernel[(spans * kv_heads + n_q_tiles * layout.num_seqs * heads,)](
+        q, k, v, out.q, out.q_scale, floats, _tickets(device, kv_heads), layout.cu_seqlens_q,
+        n_q_blocks, n_q_tiles, layout.num_seqs, tokens_kv, V_STATS_ROWS, spans, max(1, tokens_kv // KEY_MEAN_SAMPLE),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        H=heads, HKV=kv_heads, D=dim, BLOCK_T=QUANT_BLOCK_T, Q_BS=quant.q_block_size, QMAX=quant.qk_max,
+        IS_INT8=is_int8, NATIVE=native, SMOOTH_K=quant.smooth_k, STATS_BLOCK_T=V_STATS_BLOCK_T,
+        STATS_STAGES=V_STATS_STAGES, DO_Q=True, num_warps=QUANT_WARPS,
+    )
+    # Then K tiles of at least a K block (a tile starts whole blocks: _quantize_tile), V tiles of QUANT_BLOCK_T
+    # columns over a sequence's keys and the gap after them.
+    block_k = max(QUANT_BLOCK_T, quant.k_block_size)
     n_k_tiles = triton.cdiv(layout.max_seqlen_kv, block_k)
     n_v_tiles = triton.cdiv(layout.max_seqlen_kv + VT_GAP_MAX, QUANT_BLOCK_T)
-    for parts in quant_launches(q.shape[0] + tokens_kv):
-        tiles = [n if part in parts else 0 for n, part in ((n_q_tiles, "q"), (n_k_tiles, "k"), (n_v_tiles, "v"))]
-        grid = (sum(tiles) * layout.num_seqs * (heads if "q" in parts else kv_heads),)
-        _sage_quant_kernel[grid](
-            q, k, v, out.q, out.k, out.vt,
-            out.q_scale, out.k_scale, stats.v_scale, stats.v_mean if stats.k_mean is None else stats.k_mean,
-            stats.v_mean, layout.cu_seqlens_q, layout.cu_seqlens_kv,  # (v_mean as K's without smooth_k: unread)
-            n_q_blocks, n_k_blocks, *tiles, padded, layout.num_seqs,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            H=heads, HKV=kv_heads, D=dim, BLOCK_T=QUANT_BLOCK_T, BLOCK_K=block_k,
-            Q_BS=quant.q_block_size, K_BS=quant.k_block_size, QMAX=quant.qk_max,
-            IS_INT8=qk_dtype == torch.int8, SMOOTH_K=quant.smooth_k, NATIVE=native, MMA_KEY_ORDER=mma_key_order,
-            K_PER_THREAD=quant.k_per_thread, DO_Q="q" in parts, DO_K="k" in parts, DO_V="v" in parts,
+    for parts in quant_launches(tokens_kv):
+        tiles = (n_k_tiles if "k" in parts else 0, n_v_tiles if "v" in parts else 0)
+        _kv_quant_kernel[(sum(tiles) * layout.num_seqs * kv_heads,)](
+            k, v, out.k, out.vt, out.k_scale, floats, layout.cu_seqlens_kv,
+            n_k_blocks, *tiles, padded, layout.num_seqs, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            HKV=kv_heads, D=dim, BLOCK_T=QUANT_BLOCK_T, BLOCK_K=block_k, K_BS=quant.k_block_size, QMAX=quant.qk_max,
+            IS_INT8=is_int8, SMOOTH_K=quant.smooth_k, NATIVE=native, MMA_KEY_ORDER=mma_key_order,
+            K_PER_THREAD=quant.k_per_thread, DO_K="k" in parts, DO_V="v" in parts,
             num_warps=launch_warps(parts, block_k),
         )
     return out
