@@ -53,6 +53,7 @@ import triton.language as tl
 from ..config import DEFAULT_K_BLOCK, QuantConfig
 from ..layout import PackedLayout
 from .reference import AMAX_FLOOR, FP8_MAX, KEY_MEAN_SAMPLE, block_ids, scale_slots
+from .triton_launch import launch
 
 __all__ = ["TritonSage", "sage_quantize_triton", "mma_key_column", "fp8_native", "interpreting", "round_fp8_grid", "vt_start", "max_nan", "kv_stats",
            "KVStats", "quant_launches"]
@@ -461,7 +462,7 @@ def kv_stats(k: torch.Tensor, v: torch.Tensor, smooth_k: bool) -> KVStats:
     tokens, kv_heads, dim = v.shape
     spans = triton.cdiv(tokens, V_STATS_ROWS)
     stats = torch.empty((5 + 4 * spans) * kv_heads * dim, dtype=torch.float32, device=v.device)
-    _q_and_stats_kernel[(spans * kv_heads,)](  # no Q: K's pointers and zeros in its place, unread
+    launch(_q_and_stats_kernel, (spans * kv_heads,),  # no Q: K's pointers and zeros in its place, unread
         k, k, v, k, stats, stats, _tickets(v.device, kv_heads), stats, 0, 1, 1, tokens, V_STATS_ROWS, spans,
         max(1, tokens // KEY_MEAN_SAMPLE), 0, 0, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         H=kv_heads, HKV=kv_heads, D=dim, BLOCK_T=QUANT_BLOCK_T, Q_BS=1, QMAX=127, IS_INT8=True, NATIVE=False,
@@ -523,7 +524,8 @@ def sage_quantize_triton(
     is_int8 = qk_dtype == torch.int8
     # Launch 1: the stats' spans, then Q tiles of QUANT_BLOCK_T tokens.
     n_q_tiles = triton.cdiv(layout.max_seqlen_q, QUANT_BLOCK_T)
-    _q_and_stats_kernel[(spans * kv_heads + n_q_tiles * layout.num_seqs * heads,)](
+    launch(
+        _q_and_stats_kernel, (spans * kv_heads + n_q_tiles * layout.num_seqs * heads,),
         q, k, v, out.q, out.q_scale, floats, _tickets(device, kv_heads), layout.cu_seqlens_q,
         n_q_blocks, n_q_tiles, layout.num_seqs, tokens_kv, V_STATS_ROWS, spans, max(1, tokens_kv // KEY_MEAN_SAMPLE),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -538,7 +540,8 @@ def sage_quantize_triton(
     n_v_tiles = triton.cdiv(layout.max_seqlen_kv + VT_GAP_MAX, QUANT_BLOCK_T)
     for parts in quant_launches(tokens_kv):
         tiles = (n_k_tiles if "k" in parts else 0, n_v_tiles if "v" in parts else 0)
-        _kv_quant_kernel[(sum(tiles) * layout.num_seqs * kv_heads,)](
+        launch(
+            _kv_quant_kernel, (sum(tiles) * layout.num_seqs * kv_heads,),
             k, v, out.k, out.vt, out.k_scale, floats, layout.cu_seqlens_kv,
             n_k_blocks, *tiles, padded, layout.num_seqs, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             HKV=kv_heads, D=dim, BLOCK_T=QUANT_BLOCK_T, BLOCK_K=block_k, K_BS=quant.k_block_size, QMAX=quant.qk_max,
