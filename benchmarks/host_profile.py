@@ -1,0 +1,115 @@
+"""Where one attention call's host (CPU) time goes: per part, with the GPU kept busy, and a cProfile of the call.
+
+    python3 benchmarks/host_profile.py --shapes flux_1024,flux_2048=1:16896:24:128 --out X.json
+
+Issue 57's host side: ``profile_call.py`` gives one call's CPU time; this splits it (the quantizer alone, the
+kernel with the quantized inputs given, the whole call), counts the calls that took Triton's own launch path
+(``JITFunction.run``) instead of ``triton_launch``'s direct one, and lists the functions that cost the most.
+Each part runs ``--calls`` times back to back behind a GPU sleep, so no launch waits for the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from diffusers_trtllm import attention
+from diffusers_trtllm.bench.inputs import parse_shapes, structured_qkv
+from diffusers_trtllm.config import QuantConfig
+from diffusers_trtllm.kernels.sage_sm90 import sage_sm90_attention, sage_sm90_quantize
+from diffusers_trtllm.layout import PackedLayout
+
+
+def cpu_us(fn, calls: int) -> float:
+    """CPU microseconds per call of ``fn``, issued behind a GPU sleep long enough that nothing waits."""
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(2e9))
+    start = time.thread_time()
+    for _ in range(calls):
+        fn()
+    spent = time.thread_time() - start
+    torch.cuda.synchronize()
+    return spent / calls * 1e6
+
+
+def slow_launches(fn, calls: int) -> int:
+    """How many of ``calls`` calls' Triton launches went through ``JITFunction.run`` (not the direct path)."""
+    from triton.runtime.jit import JITFunction
+
+    count, original = [0], JITFunction.run
+
+    def counted(self, *args, **kwargs):
+        count[0] += 1
+        return original(self, *args, **kwargs)
+
+    JITFunction.run = counted
+    try:
+        for _ in range(calls):
+            fn()
+    finally:
+        JITFunction.run = original
+    torch.cuda.synchronize()
+    return count[0]
+
+
+def profile(fn, calls: int, top: int) -> str:
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(2e9))
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(top)
+    return text.getvalue()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default="flux_1024,flux_2048=1:16896:24:128")
+    p.add_argument("--calls", type=int, default=100)
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    dev = torch.device("cuda")
+    rows = []
+    for shape in parse_shapes(args.shapes):
+        q, k, v = structured_qkv(shape, 0.5, device=dev, k_mean=4.0)
+        scale = shape.head_dim**-0.5
+        packed = [x.reshape(-1, *x.shape[2:]) for x in (q, k, v)]
+        layout = PackedLayout.dense(shape.batch, shape.tokens, shape.kv_len, device=dev)
+        quant = QuantConfig("int8")
+        quantized = sage_sm90_quantize(*packed, layout, quant)
+        parts = {
+            "default": lambda: attention(q, k, v),
+            "int8 call": lambda: attention(q, k, v, quant="int8", backend="sage-sm90", policy="always"),
+            "quantizer": lambda: sage_sm90_quantize(*packed, layout, quant),
+            "kernel, quantized given": lambda: sage_sm90_attention(*packed, layout, softmax_scale=scale, quant=quant,
+                                                                   quantized=quantized),
+        }
+        with torch.inference_mode():
+            for name, fn in parts.items():
+                row = dict(shape=shape.name, part=name, cpu_us=cpu_us(fn, args.calls),
+                           slow_launches_per_call=slow_launches(fn, 20) / 20)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            print(f"== cProfile, {shape.name}, int8 call x {args.calls}")
+            print(profile(parts["int8 call"], args.calls, args.top), flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(dict(command=" ".join(["python3", *sys.argv]), rows=rows), indent=1))
+
+
+if __name__ == "__main__":
+    main()
