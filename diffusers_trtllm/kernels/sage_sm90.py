@@ -50,6 +50,8 @@ K_PER_THREAD = True
 #: Query rows per CTA (two consumer warpgroups) and threads per CTA (with the producer warpgroup).
 _CTA_ROWS, _THREADS = 128, 384
 _SOURCE = "sage_sm90.cu"
+#: ``SAGE_SM90_PERSISTENT``'s default in the source: one CTA per SM looping over the work tiles (issue 57).
+PERSISTENT = True
 _OUT_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
@@ -62,7 +64,7 @@ class _Params(ctypes.Structure):
                 ("n_q_blocks", ctypes.c_int), ("n_k_blocks", ctypes.c_int), ("out_stride_t", ctypes.c_longlong),
                 ("out_stride_h", ctypes.c_longlong), ("heads", ctypes.c_int), ("group", ctypes.c_int),
                 ("q_shift", ctypes.c_int), ("k_shift", ctypes.c_int), ("count_skipped", ctypes.c_int),
-                ("k_per_thread", ctypes.c_int), ("lse", ctypes.c_void_p)]
+                ("k_per_thread", ctypes.c_int), ("lse", ctypes.c_void_p), ("num_seqs", ctypes.c_int)]
 
 
 @dataclass(frozen=True)
@@ -122,6 +124,32 @@ def build_kernels(variants: Iterable[Variant] = VARIANTS, builds: Iterable[tuple
     with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
         done = pool.map(lambda vb: sage_sm90_cubin(vb[0], vb[1], compiler, announce=False), work)
         return list(tqdm(done, total=len(work), desc=f"sage-sm90 kernels ({compiler.version})", unit="kernel"))
+
+
+def _persistent(defines: tuple[str, ...]) -> bool:
+    """Whether a build with these ``-D`` knobs is the persistent kernel (the last ``SAGE_SM90_PERSISTENT`` wins, as
+    with the compiler's ``-D``; a bare name is 1)."""
+    persistent = PERSISTENT
+    for define in defines:
+        name, _, value = define.partition("=")
+        if name.strip() == "SAGE_SM90_PERSISTENT":
+            persistent = int(value or 1) != 0
+    return persistent
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _grid(layout: PackedLayout, heads: int, persistent: bool, device: torch.device) -> tuple[int, int, int]:
+    """The launch grid: one CTA per (128 query rows, sequence x head), or for the persistent kernel one CTA per SM up
+    to the work tiles there are (a sequence without queries or keys has none), each looping over tiles."""
+    if not persistent:
+        return (-(-layout.max_seqlen_q // _CTA_ROWS), layout.num_seqs * heads, 1)
+    tiles = heads * sum(-(-lq // _CTA_ROWS) for lq, lkv in zip(layout.q_lens, layout.kv_lens) if lkv)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return (max(1, min(tiles, _sm_count(index))), 1, 1)
 
 
 def _kernel(device: torch.device, variant: Variant, defines: tuple[str, ...] = ()) -> cuda_jit.CudaKernel:
@@ -205,11 +233,11 @@ def sage_sm90_attention(
         softmax_scale * LOG2E, float(skip_factor or 0.0), st.q_scale.shape[1], st.k_scale.shape[1],
         out.stride(0), out.stride(1), heads, heads // kv_heads,
         quant.q_block_size.bit_length() - 1, quant.k_block_size.bit_length() - 1, int(count), int(quant.k_per_thread),
-        lse.data_ptr() if lse is not None else None,
+        lse.data_ptr() if lse is not None else None, layout.num_seqs,
     )
     # A skip factor of 0 can skip nothing (lambda = 0): the kernel without the vote gives the same output, faster.
     kernel = _kernel(q.device, Variant(dim, q.dtype, quant.k_block_size, bool(skip_factor)), tuple(defines))
-    grid = (-(-layout.max_seqlen_q // _CTA_ROWS), layout.num_seqs * heads, 1)
+    grid = _grid(layout, heads, _persistent(defines), q.device)
     kernel.launch(grid, _THREADS, [*maps, params], torch.cuda.current_stream(q.device))
     if return_lse and st.k_mean is not None:  # the kernel's is of the logits less q . k_mean (smooth_k)
         lse = lse_before_smoothing(lse, st.dequantized_q(layout, quant.q_block_size), st.k_mean, softmax_scale)
