@@ -286,7 +286,7 @@ def test_default_int8_is_as_accurate_as_sageattention2_on_keys_with_a_channel_me
 #: beside long ones: (query lengths, key lengths).
 RAGGED_EDGES = {
     "zero_and_one_token": ((0, 1, 3000, 1, 0, 700, 129), (0, 1, 2500, 300, 64, 700, 1)),
-    "one_token_first": ((1, 2049, 0, 128), (2500, 1, 77, 128)),
+    "one_token_first": ((1, 2049, 0, 128, 1500), (2500, 1, 77, 128, 1500)),  # (2049 queries, one key)
 }
 
 

@@ -9,6 +9,8 @@ docs/design.md defines it (int8 Q/K with per-block scales, K blocks of ``K_BLOCK
 ``K_PER_THREAD`` says where the call leaves them to the route, ``smooth_k``, fp8 V per channel less its mean,
 P as ``448 * p`` in fp8), quantized by the ``triton`` route's fused quantizer with V's keys in this kernel's register order.
 Each row's log-sum-exp comes back where a call asks for it (ring attention's KV shards), as the ``triton`` route's.
+The kernel is persistent by default (``SAGE_SM90_PERSISTENT``, issue 57): one CTA per SM (the device's SM count, read
+once) up to the work tiles there are, each CTA looping over tiles of 128 query rows of one sequence and head.
 """
 
 from __future__ import annotations

@@ -13,6 +13,14 @@
 // the H200 since 2026-12-03, docs/design.md "What skip costs"), and each issues P.V of tile n together with
 // Q.K^T of tile n + 1.
 //
+// Persistent (SAGE_SM90_PERSISTENT, issue 57): the host launches min(work tiles, SMs) CTAs, and CTA b runs the work
+// tiles b, b + gridDim.x, ... (WorkTile: numbered by sequence, head, query tile, so that the CTAs running together
+// share K and V in L2). The K/V ring's stages and phases count the CTA's KV tiles across its work tiles, and Q has
+// two buffers (one where two do not fit beside the stages) with a full and an empty barrier each: the consumers
+// hand Q back after a tile's last Q.K^T, so the next tile's Q and first KV tiles load while they finish the last
+// P.V and store the output. One CTA per work tile (0) paid that prologue and epilogue with the SM otherwise idle,
+// about 6 of Flux 1024 x 1024's 36 KV tiles a CTA.
+//
 // Per KV tile a consumer: S = Q K^T (wgmma int8 -> int32); the row max over integers within each group of
 // scores sharing a K scale, scaled once per group; the skip vote (one warpgroup-wide OR); p = 448 * 2^x
 // with x one FFMA on S's exact float (about a quarter of them by a cubic on the FMA pipe, the rest on the
@@ -33,7 +41,9 @@
 // SAGE_SM90_OVERLAP (FA3's intra-warpgroup overlap: Q.K^T of tile n + 1 and P.V of tile n in two commit
 // groups, softmax of tile n + 1 beside the latter; 0: both in one group, waited for together) and
 // SAGE_SM90_HALF_POLY (the FMA-pipe exponentials two at a time in half precision, exp2_e4m3x2; 0: one at a
-// time in fp32). The defaults are the fastest measured (benchmarks/results/sage_sm90_sweep_h200.md).
+// time in fp32), SAGE_SM90_PERSISTENT and SAGE_SM90_Q_BUFFERS (the persistent kernel's Q buffers, at most). The
+// defaults are the fastest measured (benchmarks/results/sage_sm90_sweep_h200.md; the persistent kernel's default
+// awaits its H100 timing).
 
 #ifndef SAGE_SM90_SOFT_EXP  // of each row's 16 score chunks, how many take exp2_poly (fast path)
 #define SAGE_SM90_SOFT_EXP 4
@@ -735,261 +745,273 @@ __device__ __forceinline__ void consume(Smem<D, STAGES, QB>& sm, const Params& p
   if (PINGPONG && consumer == 1) named_arrive(1, 256);
 
   uint32_t base = 0;  // KV tiles of this CTA's earlier work tiles
-  for (uint32_t it = 0;; ++it) {  // this CTA's work tiles (one unless PERSISTENT)
-  const int seq = tile.seq, head = tile.head, kv_head = head / p.group;
-  const int q_start = tile.q_start, q_len = tile.q_len, kv_len = tile.kv_len;
-  // Through a shuffle from lane 0, as warpgroup: uniform, so the ring's stages and the descriptors stay uniform.
-  const int n_tiles = __shfl_sync(0xffffffff, tile.n_tiles(), 0);
-  const uint32_t qb = it % QB;
-  const int wg_first_row = tile.m0 + consumer * BLOCK_M;
-  const bool wg_has_rows = wg_first_row < q_len;
-  const int row0 = wg_first_row + warp * 16 + g, row1 = row0 + 8;
-  const bool ok0 = row0 < q_len, ok1 = row1 < q_len;
+  // One work tile, the CTA's it-th: called once, or in the persistent kernel in a loop over the CTA's tiles.
+  auto run_tile = [&](uint32_t it) {
+    const int seq = tile.seq, head = tile.head, kv_head = head / p.group;
+    const int q_start = tile.q_start, q_len = tile.q_len, kv_len = tile.kv_len;
+    // Through a shuffle from lane 0, as warpgroup: uniform, so the ring's stages and the descriptors stay uniform.
+    const int n_tiles = __shfl_sync(0xffffffff, tile.n_tiles(), 0);
+    const uint32_t qb = it % QB;
+    const int wg_first_row = tile.m0 + consumer * BLOCK_M;
+    const bool wg_has_rows = wg_first_row < q_len;
+    const int row0 = wg_first_row + warp * 16 + g, row1 = row0 + 8;
+    const bool ok0 = row0 < q_len, ok1 = row1 < q_len;
 
-  const float* q_scale = p.q_scale + head * p.n_q_blocks + (q_start >> p.q_shift) + seq;
-  const float qs0 = q_scale[min(row0, q_len - 1) >> p.q_shift] * p.qk_scale_log2;
-  const float qs1 = q_scale[min(row1, q_len - 1) >> p.q_shift] * p.qk_scale_log2;
-  // The vote's reach of each row (tile_softmax): log2 lambda (-inf when skip_factor == 0) over the row's scale.
-  const float log2_lam = log2f(p.skip_factor / static_cast<float>(kv_len));
-  const float reach0 = ok0 ? log2_lam / qs0 : POS_INF, reach1 = ok1 ? log2_lam / qs1 : POS_INF;
-  const uint64_t desc_q = desc_plus(desc_q0, qb * (sizeof(sm.q[0]) / 16));
-  // Once this tile's last Q.K^T is done, its Q buffer is the producer's again (persistent: the next tile's Q).
-  auto release_q = [&] {
-    if constexpr (PERSISTENT) {
-      __syncwarp();
-      if (lane == 0) mbar_arrive(&sm.empty_q[qb]);
-    }
-  };
-
-  float o[D / 2], sums[4];  // sums[0] / sums[2]: rows g / g + 8 of the tile (at t == 0; 0 elsewhere)
-#pragma unroll
-  for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
-  float m_0 = NEG_INF, m_1 = NEG_INF, l_0 = 0.f, l_1 = 0.f;
-  int skipped = 0;
-  int32_t acc[64];
-  uint32_t pa[4][4];  // P of the tile being made
-
-  mbar_wait(&sm.full_q[qb], (it / QB) & 1);
-  wait_k(base);
-  if (PINGPONG) named_sync(my_turn, 256);
-  wgmma_fence();
-  issue_qk<D>(acc, desc_q, desc_k(base % STAGES));
-  wgmma_commit();
-  if (PINGPONG) named_arrive(their_turn, 256);
-  wgmma_wait<0>();
-  fence_operand(acc);
-
-  // Softmax of KV tile c (S in acc) into pa (the ragged last tile masked): whether the tile is kept, and each
-  // row's rescale of O. A tile before the last is never ragged: ragged_tag false builds no masked variant for it.
-  auto softmax = [&](uint32_t c, bool vote, auto ragged_tag, float& alpha0, float& alpha1) {
-    const int keys_left = kv_len - static_cast<int>(c - base) * BLOCK_N;
-    const uint32_t k_scale_addr = smem_addr(sm.k_scale[c % STAGES]);
-    return decltype(ragged_tag)::value && keys_left < BLOCK_N
-        ? tile_softmax<G, true, SKIP>(acc, k_scale_addr, t, keys_left, vote, vote_barrier, reach0, reach1, qs0,
-                                      qs1, m_0, m_1, alpha0, alpha1, pa)
-        : tile_softmax<G, false, SKIP>(acc, k_scale_addr, t, keys_left, vote, vote_barrier, reach0, reach1, qs0,
-                                       qs1, m_0, m_1, alpha0, alpha1, pa);
-  };
-  auto rescale_o = [&](float alpha0, float alpha1) {
-    if (__any_sync(0xffffffff, alpha0 != 1.f || alpha1 != 1.f)) {  // no rescale while the maxima hold
-#pragma unroll
-      for (int i = 0; i < D / 2; ++i) o[i] *= (i % 4) < 2 ? alpha0 : alpha1;
-    }
-  };
-
-  if constexpr (OVERLAP) {
-    uint32_t pv[4][4];      // P of the tile whose P.V product is in flight
-    // ptxas takes P.V's P registers as free once the product is issued and reuses them in the next softmax
-    // while the product still reads them (wrong results, measured). Reading the old pv after the wait, in
-    // a copy masked by a zero it cannot prove (kv_len >= 0), keeps them alive until then: 16 LOP3 a tile
-    // (keep_alive_copy; written as C++, (old & zero) | new took two each).
-    const uint32_t zero = static_cast<uint32_t>(kv_len >> 31);
-    bool sums_due = false;  // the P.V group in flight is a kept tile's: add its row sums to l
-    // Once P.V of tile c - 1 is done (waited for), its stage is free; and O, its row sums and pv (retire_pv).
-    auto release_stage = [&](uint32_t c, bool first) {  // of tile c - 1
-      if (!first) {
+    const float* q_scale = p.q_scale + head * p.n_q_blocks + (q_start >> p.q_shift) + seq;
+    const float qs0 = q_scale[min(row0, q_len - 1) >> p.q_shift] * p.qk_scale_log2;
+    const float qs1 = q_scale[min(row1, q_len - 1) >> p.q_shift] * p.qk_scale_log2;
+    // The vote's reach of each row (tile_softmax): log2 lambda (-inf when skip_factor == 0) over the row's scale.
+    const float log2_lam = log2f(p.skip_factor / static_cast<float>(kv_len));
+    const float reach0 = ok0 ? log2_lam / qs0 : POS_INF, reach1 = ok1 ? log2_lam / qs1 : POS_INF;
+    const uint64_t desc_q = desc_plus(desc_q0, qb * (sizeof(sm.q[0]) / 16));
+    // Once this tile's last Q.K^T is done, its Q buffer is the producer's again (persistent: the next tile's Q).
+    auto release_q = [&] {
+      if constexpr (PERSISTENT) {
         __syncwarp();
-        if (lane == 0) mbar_arrive(&sm.empty[(c - 1) % STAGES]);
+        if (lane == 0) mbar_arrive(&sm.empty_q[qb]);
       }
     };
-    auto retire_pv = [&](uint32_t c, bool first) {
+
+    float o[D / 2], sums[4];  // sums[0] / sums[2]: rows g / g + 8 of the tile (at t == 0; 0 elsewhere)
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+    float m_0 = NEG_INF, m_1 = NEG_INF, l_0 = 0.f, l_1 = 0.f;
+    int skipped = 0;
+    int32_t acc[64];
+    uint32_t pa[4][4];  // P of the tile being made
+
+    mbar_wait(&sm.full_q[qb], (it / QB) & 1);
+    wait_k(base);
+    if (PINGPONG) named_sync(my_turn, 256);
+    wgmma_fence();
+    issue_qk<D>(acc, desc_q, desc_k(base % STAGES));
+    wgmma_commit();
+    if (PINGPONG) named_arrive(their_turn, 256);
+    wgmma_wait<0>();
+    fence_operand(acc);
+
+    // Softmax of KV tile c (S in acc) into pa (the ragged last tile masked): whether the tile is kept, and each
+    // row's rescale of O. A tile before the last is never ragged: ragged_tag false builds no masked variant for it.
+    auto softmax = [&](uint32_t c, bool vote, auto ragged_tag, float& alpha0, float& alpha1) {
+      const int keys_left = kv_len - static_cast<int>(c - base) * BLOCK_N;
+      const uint32_t k_scale_addr = smem_addr(sm.k_scale[c % STAGES]);
+      return decltype(ragged_tag)::value && keys_left < BLOCK_N
+          ? tile_softmax<G, true, SKIP>(acc, k_scale_addr, t, keys_left, vote, vote_barrier, reach0, reach1, qs0,
+                                        qs1, m_0, m_1, alpha0, alpha1, pa)
+          : tile_softmax<G, false, SKIP>(acc, k_scale_addr, t, keys_left, vote, vote_barrier, reach0, reach1, qs0,
+                                         qs1, m_0, m_1, alpha0, alpha1, pa);
+    };
+    auto rescale_o = [&](float alpha0, float alpha1) {
+      if (__any_sync(0xffffffff, alpha0 != 1.f || alpha1 != 1.f)) {  // no rescale while the maxima hold
+#pragma unroll
+        for (int i = 0; i < D / 2; ++i) o[i] *= (i % 4) < 2 ? alpha0 : alpha1;
+      }
+    };
+
+    if constexpr (OVERLAP) {
+      uint32_t pv[4][4];      // P of the tile whose P.V product is in flight
+      // ptxas takes P.V's P registers as free once the product is issued and reuses them in the next softmax
+      // while the product still reads them (wrong results, measured). Reading the old pv after the wait, in
+      // a copy masked by a zero it cannot prove (kv_len >= 0), keeps them alive until then: 16 LOP3 a tile
+      // (keep_alive_copy; written as C++, (old & zero) | new took two each).
+      const uint32_t zero = static_cast<uint32_t>(kv_len >> 31);
+      bool sums_due = false;  // the P.V group in flight is a kept tile's: add its row sums to l
+      // Once P.V of tile c - 1 is done (waited for), its stage is free; and O, its row sums and pv (retire_pv).
+      auto release_stage = [&](uint32_t c, bool first) {  // of tile c - 1
+        if (!first) {
+          __syncwarp();
+          if (lane == 0) mbar_arrive(&sm.empty[(c - 1) % STAGES]);
+        }
+      };
+      auto retire_pv = [&](uint32_t c, bool first) {
+        fence_operand(o);
+        fence_operand(sums);
+        fence_operand(pv);
+        if (sums_due) {
+          l_0 += sums[0];
+          l_1 += sums[2];
+        }
+        release_stage(c, first);
+      };
+      // Per tile c (FA3's intra-warpgroup overlap): softmax of tile c runs while the tensor cores finish P.V of
+      // tile c - 1; then Q.K^T of tile c + 1 and P.V of tile c are issued, in that order and as two commit
+      // groups, so that the next softmax waits for the former only. The last tile (no Q.K^T to issue) is the
+      // same step with MORE false. The work tile's first KV tile (no vote, no P.V in flight) is a step of its own,
+      // first_tag a BoolConstant there and in the loop, and a step with MORE is never ragged, so the loop carries
+      // neither the test for the first tile nor the masked softmax (1.3-1.5% faster, 2-5% with tiles skipped:
+      // docs/design.md, "Tile 0 out of the loop"). The last step's first_tag is a bool: it is the first too when it is
+      // the only one.
+      auto step = [&](uint32_t c, auto more_tag, auto first_tag) {  // unsigned: stage and phase by masks and shifts
+        constexpr bool MORE = decltype(more_tag)::value;
+        const bool first = first_tag;
+        const uint32_t s = c % STAGES;
+        if (first) wgmma_wait<0>(); else wgmma_wait<1>();  // Q.K^T of tile c is done
+        fence_operand(acc);
+        if constexpr (!MORE) release_q();  // (its last Q.K^T)
+        float alpha0, alpha1;
+        const bool keep = softmax(c, !first, BoolConstant<!MORE>{}, alpha0, alpha1);
+        auto issue_next_qk = [&] {
+          wgmma_fence();
+          issue_qk<D>(acc, desc_q, desc_k((c + 1) % STAGES));
+          wgmma_commit();
+        };
+        if (SKIP && !PINGPONG && STAGES > 2 && MORE && !keep) {
+          // Skipped: S of tile c is dead, so Q.K^T of tile c + 1 goes to the tensor cores now, behind P.V of
+          // tile c - 1 where that still runs (all skipped 4-6% faster, about 40% skipped 1-2%:
+          // docs/design.md, "Issuing the next Q.K^T first"), and an empty group after it keeps the next step's
+          // wait the same. P.V's row sums wait for the next step's retire_pv (no product writes them before):
+          // reading them or O here, with Q.K^T in flight, makes ptxas serialize every product (C7514). With two
+          // stages, tile c + 1's K goes where tile c - 1's V is, so it cannot land before that stage is free.
+          wait_k(c + 1);
+          issue_next_qk();
+          wgmma_wait<1>();  // P.V of tile c - 1 is done: its stage is free
+          release_stage(c, first);
+          ++skipped;
+          wait_v(c);
+          wgmma_fence();
+          wgmma_commit();
+          return;
+        }
+        wgmma_wait<0>();
+        retire_pv(c, first);
+        if (keep) {
+          l_0 *= alpha0;
+          l_1 *= alpha1;
+          rescale_o(alpha0, alpha1);
+#pragma unroll
+          for (int kk = 0; kk < 4; ++kk) {
+#pragma unroll
+            for (int j = 0; j < 4; ++j) pv[kk][j] = keep_alive_copy(pv[kk][j], zero, pa[kk][j]);
+          }
+        } else {
+          ++skipped;
+        }
+        sums_due = keep;
+
+        if (MORE) wait_k(c + 1);
+        wait_v(c);  // a skipped tile's V must land too before its stage is reused
+        if (PINGPONG) named_sync(my_turn, 256);
+        // A skipped tile still commits a second group, empty (its row sums' products, issued until 2026-12-03,
+        // cost it 4% of its time), so that every step after the first starts with the same two groups in
+        // flight: ptxas keeps the products asynchronous only when the groups a wait retires are the same on
+        // every path. And each way of the
+        // branch issues whole commit groups: a product under a branch inside a group, ptxas closes in a group
+        // of its own, which the next step's wait for Q.K^T then retires, so that P.V never ran beside the
+        // softmax (restoring that measured the same speed: docs/design.md, "What skip costs").
+        auto issue = [&](auto keep_tag) {
+          if (MORE) issue_next_qk();
+          wgmma_fence();
+          if constexpr (decltype(keep_tag)::value) {
+            issue_pv<D>(o, pv, desc_v(s));
+            issue_row_sums(sums, pv, desc_ones(s));
+          }
+          wgmma_commit();  // a skipped tile's group is empty
+        };
+        if (keep) issue(BoolConstant<true>{}); else issue(BoolConstant<false>{});
+        if (PINGPONG) named_arrive(their_turn, 256);
+      };
+      const uint32_t end = base + static_cast<uint32_t>(n_tiles);
+      if (n_tiles > 1) step(base, BoolConstant<true>{}, BoolConstant<true>{});
+      for (uint32_t c = base + 1; c + 1 < end; ++c) step(c, BoolConstant<true>{}, BoolConstant<false>{});
+      step(end - 1, BoolConstant<false>{}, n_tiles == 1);
+      wgmma_wait<0>();
       fence_operand(o);
       fence_operand(sums);
-      fence_operand(pv);
       if (sums_due) {
         l_0 += sums[0];
         l_1 += sums[2];
       }
-      release_stage(c, first);
-    };
-    // Per tile c (FA3's intra-warpgroup overlap): softmax of tile c runs while the tensor cores finish P.V of
-    // tile c - 1; then Q.K^T of tile c + 1 and P.V of tile c are issued, in that order and as two commit
-    // groups, so that the next softmax waits for the former only. The last tile (no Q.K^T to issue) is the
-    // same step with MORE false. The work tile's first KV tile (no vote, no P.V in flight) is a step of its own,
-    // first_tag a BoolConstant there and in the loop, and a step with MORE is never ragged, so the loop carries
-    // neither the test for the first tile nor the masked softmax (1.3-1.5% faster, 2-5% with tiles skipped:
-    // docs/design.md, "Tile 0 out of the loop"). The last step's first_tag is a bool: it is the first too when it is
-    // the only one.
-    auto step = [&](uint32_t c, auto more_tag, auto first_tag) {  // unsigned: stage and phase by masks and shifts
-      constexpr bool MORE = decltype(more_tag)::value;
-      const bool first = first_tag;
-      const uint32_t s = c % STAGES;
-      if (first) wgmma_wait<0>(); else wgmma_wait<1>();  // Q.K^T of tile c is done
-      fence_operand(acc);
-      if constexpr (!MORE) release_q();  // (its last Q.K^T)
-      float alpha0, alpha1;
-      const bool keep = softmax(c, !first, BoolConstant<!MORE>{}, alpha0, alpha1);
-      auto issue_next_qk = [&] {
-        wgmma_fence();
-        issue_qk<D>(acc, desc_q, desc_k((c + 1) % STAGES));
-        wgmma_commit();
-      };
-      if (SKIP && !PINGPONG && STAGES > 2 && MORE && !keep) {
-        // Skipped: S of tile c is dead, so Q.K^T of tile c + 1 goes to the tensor cores now, behind P.V of
-        // tile c - 1 where that still runs (all skipped 4-6% faster, about 40% skipped 1-2%:
-        // docs/design.md, "Issuing the next Q.K^T first"), and an empty group after it keeps the next step's
-        // wait the same. P.V's row sums wait for the next step's retire_pv (no product writes them before):
-        // reading them or O here, with Q.K^T in flight, makes ptxas serialize every product (C7514). With two
-        // stages, tile c + 1's K goes where tile c - 1's V is, so it cannot land before that stage is free.
-        wait_k(c + 1);
-        issue_next_qk();
-        wgmma_wait<1>();  // P.V of tile c - 1 is done: its stage is free
-        release_stage(c, first);
-        ++skipped;
-        wait_v(c);
-        wgmma_fence();
-        wgmma_commit();
-        return;
-      }
-      wgmma_wait<0>();
-      retire_pv(c, first);
-      if (keep) {
-        l_0 *= alpha0;
-        l_1 *= alpha1;
-        rescale_o(alpha0, alpha1);
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-#pragma unroll
-          for (int j = 0; j < 4; ++j) pv[kk][j] = keep_alive_copy(pv[kk][j], zero, pa[kk][j]);
+      if constexpr (PERSISTENT) release_stage(end, false);  // the last tile's stage: the next work tile's
+    } else {
+      // Per tile c: softmax of tile c (S in acc), then P.V of tile c and Q.K^T of tile c + 1 issued together,
+      // so the tensor cores run them back to back, and waited for together.
+      const uint32_t end = base + static_cast<uint32_t>(n_tiles);
+      for (uint32_t c = base; c < end; ++c) {  // unsigned: stage and phase by masks and shifts
+        const uint32_t s = c % STAGES;
+        const bool more = c + 1 < end;
+        if (!more) release_q();  // its last Q.K^T is done
+        float alpha0, alpha1;
+        const bool keep = softmax(c, c > base, BoolConstant<true>{}, alpha0, alpha1);
+        if (keep) {
+          rescale_o(alpha0, alpha1);
+        } else {
+          ++skipped;
         }
-      } else {
-        ++skipped;
-      }
-      sums_due = keep;
 
-      if (MORE) wait_k(c + 1);
-      wait_v(c);  // a skipped tile's V must land too before its stage is reused
-      if (PINGPONG) named_sync(my_turn, 256);
-      // A skipped tile still commits a second group, empty (its row sums' products, issued until 2026-12-03,
-      // cost it 4% of its time), so that every step after the first starts with the same two groups in
-      // flight: ptxas keeps the products asynchronous only when the groups a wait retires are the same on
-      // every path. And each way of the
-      // branch issues whole commit groups: a product under a branch inside a group, ptxas closes in a group
-      // of its own, which the next step's wait for Q.K^T then retires, so that P.V never ran beside the
-      // softmax (restoring that measured the same speed: docs/design.md, "What skip costs").
-      auto issue = [&](auto keep_tag) {
-        if (MORE) issue_next_qk();
-        wgmma_fence();
-        if constexpr (decltype(keep_tag)::value) {
-          issue_pv<D>(o, pv, desc_v(s));
-          issue_row_sums(sums, pv, desc_ones(s));
+        if (more) wait_k(c + 1);
+        wait_v(c);  // a skipped tile's V must land too before its stage is reused
+        if (PINGPONG) named_sync(my_turn, 256);
+        if (keep) {
+          wgmma_fence();
+          issue_pv<D>(o, pa, desc_v(s));
+          issue_row_sums(sums, pa, desc_ones(s));
         }
-        wgmma_commit();  // a skipped tile's group is empty
-      };
-      if (keep) issue(BoolConstant<true>{}); else issue(BoolConstant<false>{});
-      if (PINGPONG) named_arrive(their_turn, 256);
-    };
-    const uint32_t end = base + static_cast<uint32_t>(n_tiles);
-    if (n_tiles > 1) step(base, BoolConstant<true>{}, BoolConstant<true>{});
-    for (uint32_t c = base + 1; c + 1 < end; ++c) step(c, BoolConstant<true>{}, BoolConstant<false>{});
-    step(end - 1, BoolConstant<false>{}, n_tiles == 1);
-    wgmma_wait<0>();
-    fence_operand(o);
-    fence_operand(sums);
-    if (sums_due) {
-      l_0 += sums[0];
-      l_1 += sums[2];
+        if (more) {
+          wgmma_fence();
+          issue_qk<D>(acc, desc_q, desc_k((c + 1) % STAGES));
+        }
+        wgmma_commit();
+        if (PINGPONG) named_arrive(their_turn, 256);
+        wgmma_wait<0>();
+        fence_operand(o);
+        fence_operand(sums);
+        fence_operand(acc);
+        if (keep) {
+          l_0 = fmaf(l_0, alpha0, sums[0]);
+          l_1 = fmaf(l_1, alpha1, sums[2]);
+        }
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&sm.empty[s]);
+      }
     }
-    if constexpr (PERSISTENT) release_stage(end, false);  // the last tile's stage: the next work tile's
+
+    // ---- epilogue: O / l * v_scale + v_mean (and the LSE when asked), rows of this sequence only; in the persistent
+    // kernel the producer meanwhile loads the next work tile's Q and first KV tiles ----
+    l_0 = __shfl_sync(0xffffffff, l_0, lane & ~3);
+    l_1 = __shfl_sync(0xffffffff, l_1, lane & ~3);
+    const float inv0 = 1.f / (l_0 > 0.f ? l_0 : 1.f), inv1 = 1.f / (l_1 > 0.f ? l_1 : 1.f);
+    // The log-sum-exp of the scaled logits, when asked: the max in log2 units (m * qs) plus log2 of the row sum
+    // less P's 448, in natural log (-inf for a row without keys); one lane of each quad writes its rows.
+    if (p.lse != nullptr && t == 0) {
+      auto row_lse = [](float m, float qs, float l) {
+        return l > 0.f ? (fmaf(m, qs, log2f(l)) - LOG2_P_SCALE) * LN2 : NEG_INF;
+      };
+      float* lse = p.lse + head;
+      if (ok0) lse[(q_start + row0) * p.heads] = row_lse(m_0, qs0, l_0);
+      if (ok1) lse[(q_start + row1) * p.heads] = row_lse(m_1, qs1, l_1);
+    }
+    // Pointers at this thread's first column, columns 8j further by immediate offsets (with col = 8j + 2t in each
+    // index, ptxas made every address anew in the one-tile build: its epilogue 2x as long).
+    const float* v_scale = p.v_scale + kv_head * D + 2 * t;
+    const float* v_mean = p.v_mean + kv_head * D + 2 * t;
+    OutT* out = static_cast<OutT*>(p.out) + head * p.out_stride_h + 2 * t;
+    OutT* out0 = out + (q_start + row0) * p.out_stride_t;
+    OutT* out1 = out + (q_start + row1) * p.out_stride_t;
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j) {
+      const float vs0 = __ldg(v_scale + 8 * j), vs1 = __ldg(v_scale + 8 * j + 1);
+      const float vm0 = __ldg(v_mean + 8 * j), vm1 = __ldg(v_mean + 8 * j + 1);
+      if (ok0) {
+        out0[8 * j] = to_output<OutT>(fmaf(o[4 * j] * inv0, vs0, vm0));
+        out0[8 * j + 1] = to_output<OutT>(fmaf(o[4 * j + 1] * inv0, vs1, vm1));
+      }
+      if (ok1) {
+        out1[8 * j] = to_output<OutT>(fmaf(o[4 * j + 2] * inv1, vs0, vm0));
+        out1[8 * j + 1] = to_output<OutT>(fmaf(o[4 * j + 3] * inv1, vs1, vm1));
+      }
+    }
+    if (SKIP && p.count_skipped && wg_has_rows && tid == 0) atomicAdd(p.stats, skipped);
+    base += static_cast<uint32_t>(n_tiles);
+  };
+  if constexpr (PERSISTENT) {
+    // The loop's exit is uniform through a shuffle, as n_tiles: an exit ptxas takes for divergent serialized the
+    // serial build's products (C7520).
+    for (uint32_t it = 0;; ++it) {
+      run_tile(it);
+      if (!__shfl_sync(0xffffffff, static_cast<int>(tile.next<PERSISTENT>(p)), 0)) break;
+    }
   } else {
-    // Per tile c: softmax of tile c (S in acc), then P.V of tile c and Q.K^T of tile c + 1 issued together,
-    // so the tensor cores run them back to back, and waited for together.
-    for (uint32_t c = base; c < base + static_cast<uint32_t>(n_tiles); ++c) {  // unsigned: stage and phase by masks and shifts
-      const uint32_t s = c % STAGES;
-      const bool more = c + 1 < base + static_cast<uint32_t>(n_tiles);
-      if (!more) release_q();  // its last Q.K^T is done
-      float alpha0, alpha1;
-      const bool keep = softmax(c, c > base, BoolConstant<true>{}, alpha0, alpha1);
-      if (keep) {
-        rescale_o(alpha0, alpha1);
-      } else {
-        ++skipped;
-      }
-
-      if (more) wait_k(c + 1);
-      wait_v(c);  // a skipped tile's V must land too before its stage is reused
-      if (PINGPONG) named_sync(my_turn, 256);
-      if (keep) {
-        wgmma_fence();
-        issue_pv<D>(o, pa, desc_v(s));
-        issue_row_sums(sums, pa, desc_ones(s));
-      }
-      if (more) {
-        wgmma_fence();
-        issue_qk<D>(acc, desc_q, desc_k((c + 1) % STAGES));
-      }
-      wgmma_commit();
-      if (PINGPONG) named_arrive(their_turn, 256);
-      wgmma_wait<0>();
-      fence_operand(o);
-      fence_operand(sums);
-      fence_operand(acc);
-      if (keep) {
-        l_0 = fmaf(l_0, alpha0, sums[0]);
-        l_1 = fmaf(l_1, alpha1, sums[2]);
-      }
-      __syncwarp();
-      if (lane == 0) mbar_arrive(&sm.empty[s]);
-    }
-  }
-
-  // ---- epilogue: O / l * v_scale + v_mean (and the LSE when asked), rows of this sequence only; in the persistent
-  // kernel the producer meanwhile loads the next work tile's Q and first KV tiles ----
-  l_0 = __shfl_sync(0xffffffff, l_0, lane & ~3);
-  l_1 = __shfl_sync(0xffffffff, l_1, lane & ~3);
-  const float inv0 = 1.f / (l_0 > 0.f ? l_0 : 1.f), inv1 = 1.f / (l_1 > 0.f ? l_1 : 1.f);
-  // The log-sum-exp of the scaled logits, when asked: the max in log2 units (m * qs) plus log2 of the row sum
-  // less P's 448, in natural log (-inf for a row without keys); one lane of each quad writes its rows.
-  if (p.lse != nullptr && t == 0) {
-    auto row_lse = [](float m, float qs, float l) {
-      return l > 0.f ? (fmaf(m, qs, log2f(l)) - LOG2_P_SCALE) * LN2 : NEG_INF;
-    };
-    float* lse = p.lse + head;
-    if (ok0) lse[(q_start + row0) * p.heads] = row_lse(m_0, qs0, l_0);
-    if (ok1) lse[(q_start + row1) * p.heads] = row_lse(m_1, qs1, l_1);
-  }
-  const float* v_scale = p.v_scale + kv_head * D;
-  const float* v_mean = p.v_mean + kv_head * D;
-  OutT* out = static_cast<OutT*>(p.out) + head * p.out_stride_h;
-#pragma unroll
-  for (int j = 0; j < D / 8; ++j) {
-    const int col = 8 * j + 2 * t;
-    const float vs0 = __ldg(v_scale + col), vs1 = __ldg(v_scale + col + 1);
-    const float vm0 = __ldg(v_mean + col), vm1 = __ldg(v_mean + col + 1);
-    if (ok0) {
-      OutT* dst = out + (q_start + row0) * p.out_stride_t + col;
-      dst[0] = to_output<OutT>(fmaf(o[4 * j] * inv0, vs0, vm0));
-      dst[1] = to_output<OutT>(fmaf(o[4 * j + 1] * inv0, vs1, vm1));
-    }
-    if (ok1) {
-      OutT* dst = out + (q_start + row1) * p.out_stride_t + col;
-      dst[0] = to_output<OutT>(fmaf(o[4 * j + 2] * inv1, vs0, vm0));
-      dst[1] = to_output<OutT>(fmaf(o[4 * j + 3] * inv1, vs1, vm1));
-    }
-  }
-  if (SKIP && p.count_skipped && wg_has_rows && tid == 0) atomicAdd(p.stats, skipped);
-  base += static_cast<uint32_t>(n_tiles);
-  if (!tile.next<PERSISTENT>(p)) break;
+    run_tile(0);
   }
   if (PINGPONG && consumer == 0) named_sync(my_turn, 256);  // the second consumer's last arrival
 }
