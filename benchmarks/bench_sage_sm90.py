@@ -9,6 +9,14 @@
 ``--nvcc PATH`` adds rows of the default build compiled by that nvcc instead of NVRTC (the library's compiler
 where no ``$DIFFUSERS_TRTLLM_NVCC`` is set), to compare the two compilers' kernels in one run.
 
+``--kernel-only-builds`` adds a "kernel only" row (the kernel on the quantizer's output, the quantizer's time left
+out) for every build, not only the default, and with ``--alternate-builds`` times each against the default's
+kernel in alternating rounds: the persistent kernel against one CTA per work tile, for example,
+
+    python3 benchmarks/bench_sage_sm90.py --shapes flux_1024,flux_2048=1:16896:24:128,wan_14b_480p \
+        --builds default,non-persistent,persistent-1q --quants k128t-smooth --target-skips "" --kernel-only-builds \
+        --alternate-builds --out benchmarks/results/sage_sm90_persistent_h100.json
+
 ``--quants k16,k128-smooth`` runs the kernel's rows per SAGE setting (``QUANTS``: K blocks of 16 or 128 keys,
 with or without ``smooth_k``, ``t``: split per thread); rows of settings other than ``k16`` carry the setting's
 name after the build's.
@@ -60,6 +68,8 @@ BUILDS = {
     "softexp8": ("SAGE_SM90_SOFT_EXP=8",),
     "5stages": ("SAGE_SM90_STAGES=5",),
     "6stages": ("SAGE_SM90_STAGES=6",),
+    "non-persistent": ("SAGE_SM90_PERSISTENT=0",),  # one CTA per work tile: the kernel before issue 57
+    "persistent-1q": ("SAGE_SM90_Q_BUFFERS=1",),  # the persistent kernel with one Q buffer
 }
 
 
@@ -95,7 +105,7 @@ def _compiled_by(nvcc: str, fn):
 
 def run_shape(shape, builds, quants, targets, iters, locality, k_mean, v_mean, nvcc=None, reach_spread=0.0,
               with_triton_skip=True, alternate_skip=False, alternate_builds=False, rounds=8,
-              on_row=lambda rows: None) -> list[dict]:
+              on_row=lambda rows: None, kernel_only_builds=False) -> list[dict]:
     """The shape's rows, each handed to ``on_row`` (with the rows before it) as soon as it is measured."""
     dev = torch.device("cuda")
     q, k, v = (x[0].contiguous() for x in structured_qkv(shape, locality, device=dev, k_mean=k_mean, v_mean=v_mean,
@@ -165,6 +175,15 @@ def run_shape(shape, builds, quants, targets, iters, locality, k_mean, v_mean, n
         kernel_only = lambda qc=qc, st=quantized: sage_sm90_attention(  # noqa: E731
             q, k, v, layout, softmax_scale=scale, quant=qc, quantized=st).out
         impls[f"sage-sm90[default{tag}] kernel only"] = kernel_only
+        for name, defines in builds.items() if kernel_only_builds else ():
+            if name == "default":
+                continue
+            impl = f"sage-sm90[{name}{tag}] kernel only"
+            impls[impl] = lambda qc=qc, st=quantized, d=defines: sage_sm90_attention(
+                q, k, v, layout, softmax_scale=scale, quant=qc, quantized=st, defines=d).out
+            if alternate_builds:  # the build's gain or cost on the kernel alone, clear of drift between rows
+                impls[f"sage-sm90[default{tag}] | [{name}{tag}] kernel only, alternating"] = Alternating(
+                    kernel_only, impls[impl], rounds)
         if nvcc and "default" in builds:
             for label, factor in [("", None), *at_targets]:
                 impls[f"sage-sm90[default{tag}] nvcc{label}"] = _compiled_by(
@@ -325,6 +344,9 @@ def main() -> None:
     p.add_argument("--alternate-builds", action="store_true",
                    help="also time each build other than the default against the default in alternating rounds, with skip "
                         "off, at nothing skipped and at each target (list default first)")
+    p.add_argument("--kernel-only-builds", action="store_true",
+                   help="also time every build's kernel alone on the quantizer's output (the default's 'kernel only' "
+                        "row), and with --alternate-builds each against the default's kernel in alternating rounds")
     p.add_argument("--rounds", type=int, default=8, help="rounds of each alternating pair")
     p.add_argument("--replot", metavar="JSON", help="only redraw the skip curve of a results file (no GPU needed)")
     args = p.parse_args()
@@ -362,7 +384,7 @@ def main() -> None:
     for shape in parse_shapes(args.shapes):
         rows += run_shape(shape, builds, quants, targets, args.iters, args.locality, args.k_mean, args.v_mean,
                           args.nvcc, args.reach_spread, not args.no_triton_skip, args.alternate_skip,
-                          args.alternate_builds, args.rounds, on_row=save)
+                          args.alternate_builds, args.rounds, on_row=save, kernel_only_builds=args.kernel_only_builds)
         torch.cuda.empty_cache()
     if args.out:
         plot_skip_curve(args.out)

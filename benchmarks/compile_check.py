@@ -6,7 +6,9 @@ Per processor setting (defaults; int8 SAGE with ``policy="always"``) and compile
 (``compile_repeated_blocks(fullgraph=True)``), whole model ``mode="max-autotune-no-cudagraphs"`` (``fullgraph=True``,
 so a graph break fails it) and whole model ``mode="reduce-overhead"`` (CUDA graphs): whether it compiled, the graph
 breaks Dynamo counted, whether Inductor skipped CUDA graphs and why, three compiled forwards' rel-L1 against the
-eager forward, and the first error line where one was raised.
+eager forward, and the first error line where one was raised. ``--gemm-backends ATEN`` (the default) leaves
+max-autotune nothing to autotune in the matrix products (Inductor's Triton GEMM templates took past 150 s on an
+H100): what this checks is our op inside the compiled graph, not Inductor's GEMMs.
 """
 
 from __future__ import annotations
@@ -83,7 +85,12 @@ def main() -> None:
     p.add_argument("--settings", default=",".join(SETTINGS))
     p.add_argument("--uses", default=",".join(USES))
     p.add_argument("--out", default=None)
+    p.add_argument("--gemm-backends", default="ATEN", help="Inductor's max_autotune_gemm_backends ('' keeps its own)")
     args = p.parse_args()
+    if args.gemm_backends:
+        import torch._inductor.config as inductor_config
+
+        inductor_config.max_autotune_gemm_backends = args.gemm_backends
     import logging
 
     logging.getLogger("torch._inductor.cudagraph_trees").setLevel(logging.INFO)

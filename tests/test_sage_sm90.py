@@ -8,6 +8,7 @@ import ctypes
 import os
 import re
 import stat
+import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -37,7 +38,31 @@ def _c_struct_fields(name: str) -> list[str]:
 
 def test_params_match_the_cuda_struct_field_for_field():
     assert [f[0] for f in sage_sm90._Params._fields_] == _c_struct_fields("Params")
-    assert ctypes.sizeof(sage_sm90._Params) == 128
+    assert ctypes.sizeof(sage_sm90._Params) == 136
+
+
+def test_persistent_default_is_the_sources_and_defines_override_it():
+    default = re.search(r"#define SAGE_SM90_PERSISTENT (\d)", SOURCE.read_text()).group(1)
+    assert sage_sm90.PERSISTENT == bool(int(default)) == sage_sm90._persistent(())
+    assert not sage_sm90._persistent(("SAGE_SM90_STAGES=3", "SAGE_SM90_PERSISTENT=0"))
+    assert sage_sm90._persistent(("SAGE_SM90_PERSISTENT=0", "SAGE_SM90_PERSISTENT=1"))
+    assert sage_sm90._persistent(("SAGE_SM90_PERSISTENT",)) and sage_sm90._persistent(("SAGE_SM90_PINGPONG=1",))
+
+
+def test_persistent_grid_is_one_cta_per_sm_up_to_the_work_tiles(monkeypatch):
+    """One CTA per SM while there are more work tiles (128 query rows of one sequence and head); fewer where there
+    are fewer, a sequence without queries or keys counting none; one CTA per work tile without the knob."""
+    monkeypatch.setattr(sage_sm90, "_sm_count", lambda index: 132)
+    dev = torch.device("cuda", 0)
+    flux = PackedLayout.dense(1, 4608, 4608, "cpu")
+    assert sage_sm90._grid(flux, 24, True, dev) == (132, 1, 1)  # 864 work tiles
+    assert sage_sm90._grid(flux, 24, False, dev) == (36, 24, 1)
+    cu = lambda lens: torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)  # noqa: E731
+    lens_q, lens_kv = (0, 1, 300, 0, 129), (0, 1, 200, 50, 140)
+    ragged = PackedLayout.from_cu_seqlens(cu(lens_q), cu(lens_kv), 300, 200, q_tokens=sum(lens_q),
+                                          kv_tokens=sum(lens_kv))
+    assert sage_sm90._grid(ragged, 8, True, dev) == (8 * (1 + 3 + 2), 1, 1)
+    assert sage_sm90._grid(ragged, 8, False, dev) == (3, 5 * 8, 1)
 
 
 def test_every_entry_point_the_host_names_is_defined():
@@ -366,6 +391,23 @@ def test_kernel_builds_for_sm90a_without_spills_or_serialized_products():
     assert not hazards, f"registers of a running P.V product overwritten: {({k: v[:3] for k, v in hazards.items()})}"
     serial = sorted(name for name, code in sass.items() if not sass_hazards.pv_runs_past_a_partial_wait(code))
     assert not serial, f"no softmax overlap (P.V retired by the wait for Q.K^T) in {serial}"
+
+
+@pytest.mark.skipif(cuda_jit.find_nvcc() is None, reason="needs nvcc (ptxas's report)")
+@pytest.mark.parametrize("defines", [("SAGE_SM90_PERSISTENT=0",), ("SAGE_SM90_STAGES=6",),
+                                     ("SAGE_SM90_PERSISTENT=0", "SAGE_SM90_OVERLAP=0"), ("SAGE_SM90_Q_BUFFERS=1",)])
+def test_other_builds_compile_without_spills(defines, tmp_path):
+    """Builds beside the default the benchmark times: one CTA per work tile (the kernel before issue 57), six stages
+    (one Q buffer: two do not fit beside them), the serial build without persistence, one Q buffer; two entry
+    points each (the route's and a head dim 64 one), no local memory and no serialized products."""
+    nvcc = cuda_jit.find_nvcc()
+    for variant in (sage_sm90.Variant(128, torch.bfloat16, 128, True), sage_sm90.Variant(64, torch.float16, 16, False)):
+        flags = [f"-D{d}" for d in (*variant.defines, *defines)]
+        res = subprocess.run([nvcc, "-cubin", "-gencode=arch=compute_90a,code=sm_90a", "-O3", "-std=c++17", "-Xptxas=-v",
+                              *flags, "-o", str(tmp_path / "k.cubin"), str(SOURCE)], capture_output=True, text=True)
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert "Potential Performance Loss" not in res.stderr
+        assert re.search(r"\b0 bytes stack frame", res.stderr), res.stderr[-2000:]
 
 
 def _f16_constant(name: str) -> np.float16:

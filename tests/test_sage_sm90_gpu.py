@@ -1,8 +1,9 @@
 """The ``sage-sm90`` CUDA kernel on an H100/H200: int8 SAGE with and without skip-softmax against the
 reference (same quantization, same 64 x 128 tiles), over the ragged batches of the ``triton`` route's GPU
 tests; head dims 64 and 128, GQA, fp16, extreme magnitudes and NaN; the log-sum-exp, alone and merging two KV
-shards; the kernel built by NVRTC and by nvcc, a first call that builds its one variant and says so, and the
-default's error on keys with a channel mean."""
+shards; the persistent kernel's loop over work tiles (more tiles than SMs, few CTAs, empty and one-token
+sequences) against the reference and against one CTA per tile; the kernel built by NVRTC and by nvcc, a first
+call that builds its one variant and says so, and the default's error on keys with a channel mean."""
 
 from __future__ import annotations
 
@@ -22,7 +23,10 @@ pytestmark = [pytest.mark.gpu, requires_cuda]
 
 BUILDS = {"default": (), "pingpong": ("SAGE_SM90_PINGPONG=1",), "two_stages": ("SAGE_SM90_STAGES=2",),
           "serial": ("SAGE_SM90_OVERLAP=0",), "fp32_poly": ("SAGE_SM90_HALF_POLY=0",),
-          "serial_fp32_poly": ("SAGE_SM90_OVERLAP=0", "SAGE_SM90_HALF_POLY=0")}
+          "serial_fp32_poly": ("SAGE_SM90_OVERLAP=0", "SAGE_SM90_HALF_POLY=0"),
+          # The default is persistent (issue 57): one CTA per work tile, and the persistent kernel with one Q buffer.
+          "non_persistent": ("SAGE_SM90_PERSISTENT=0",), "one_q_buffer": ("SAGE_SM90_Q_BUFFERS=1",),
+          "six_stages": ("SAGE_SM90_STAGES=6",)}  # (one Q buffer: two do not fit beside six stages)
 
 
 @pytest.fixture(autouse=True)
@@ -274,3 +278,110 @@ def test_default_int8_is_as_accurate_as_sageattention2_on_keys_with_a_channel_me
         return
     theirs = sageattn(q[None], k.clone()[None], v[None], tensor_layout="NHD", is_causal=False, sm_scale=128**-0.5)[0]
     assert default <= rel_l1(theirs, dense) * 1.02, (default, rel_l1(theirs, dense))
+
+
+# ---- the persistent kernel (issue 57): one CTA per SM looping over the work tiles ----------------------------
+
+#: Ragged batches with sequences the schedule must pass over (no queries; no queries nor keys) and one-token ones,
+#: beside long ones: (query lengths, key lengths).
+RAGGED_EDGES = {
+    "zero_and_one_token": ((0, 1, 3000, 1, 0, 700, 129), (0, 1, 2500, 300, 64, 700, 1)),
+    "one_token_first": ((1, 2049, 0, 128, 1500), (2500, 1, 77, 128, 1500)),  # (2049 queries, one key)
+}
+
+
+def _ragged(lens_q, lens_kv, dim, heads=8, kv_heads=2, seed=0):
+    from test_triton_attn_gpu import _layout
+
+    q = _structured(lens_q, heads, dim, seed)
+    k = _structured(lens_kv, kv_heads, dim, seed + 1)
+    v = torch.randn(sum(lens_kv), kv_heads, dim, device="cuda", dtype=torch.bfloat16)
+    return q, k, v, _layout(lens_q, lens_kv)
+
+
+def _check_lse(res, ref, q, k, v, layout, factor) -> None:
+    """As test_lse_matches_the_reference: the kernel's error against the unquantized log-sum-exp at most 10% above
+    the emulation's own."""
+    exact = _reference(q, k, v, layout, skip_factor=factor, tile_q=64, tile_kv=128).lse
+    ours, emulated = (res.lse - exact).abs(), (ref.lse - exact).abs()
+    assert ours.mean() <= 1.1 * emulated.mean() + 1e-4, (ours.mean(), emulated.mean())
+
+
+@pytest.mark.parametrize("skip", [None, 0.02])
+@pytest.mark.parametrize("dim,kv_heads,blocks", [(128, 2, (1, 128, True)), (64, 2, (1, 16, False)), (128, 8, (4, 4, False)),
+                                                 (64, 8, (1, 1, False))])
+@pytest.mark.parametrize("lens", list(RAGGED_EDGES))
+def test_ragged_batches_with_empty_and_one_token_sequences(lens, dim, kv_heads, blocks, skip):
+    """Sequences without queries (with or without keys) have no work tiles and one-token sequences one each, in
+    between long ones: the persistent kernel's producer and consumers agree on every tile's KV tiles (a disagreement
+    hangs the ring), and the output, the skipped tiles and the log-sum-exp are the reference's."""
+    q, k, v, layout = _ragged(*RAGGED_EDGES[lens], dim, kv_heads=kv_heads)
+    q_block, k_block, per_thread = blocks
+    quant = QuantConfig("int8", q_block, k_block, k_per_thread=per_thread)
+    factor = None if skip is None else skip * layout.max_seqlen_kv
+    res = _attention(q, k, v, layout, softmax_scale=dim**-0.5, skip_factor=factor, quant=quant, collect_stats=True,
+                     return_lse=True)
+    ref = _reference(q, k, v, layout, skip_factor=factor, quant=quant, tile_q=64, tile_kv=128)
+    check_tile_counts(res, ref, skip)
+    assert rel_l1(res.out, ref.out) < 1.5e-2
+    _check_lse(res, ref, q, k, v, layout, factor)
+
+
+@pytest.mark.parametrize("ctas", [1, 3, 7])
+@pytest.mark.parametrize("build", ["default", "pingpong", "serial", "one_q_buffer", "two_stages"])
+@pytest.mark.parametrize("skip", [None, 0.02])
+def test_few_ctas_loop_over_many_work_tiles(skip, build, ctas, monkeypatch):
+    """A grid of 1, 3 or 7 CTAs (the SM count the host sees, patched): each CTA runs tens to hundreds of work tiles
+    of the triton tests' ragged batch (248 in all), so the ring's stages and phases and the Q buffers' run on over
+    many tiles of different lengths; GQA and skip counts held to the reference."""
+    from diffusers_trtllm.kernels import sage_sm90
+
+    monkeypatch.setattr(sage_sm90, "_sm_count", lambda index: ctas)
+    q, k, v, layout = _inputs(128, kv_heads=4)
+    quant = QuantConfig("int8", 1, 128, k_per_thread=True)
+    factor = None if skip is None else skip * layout.max_seqlen_kv
+    res = _attention(q, k, v, layout, softmax_scale=128**-0.5, skip_factor=factor, quant=quant, collect_stats=True,
+                     return_lse=True, defines=BUILDS[build])
+    ref = _reference(q, k, v, layout, skip_factor=factor, quant=quant, tile_q=64, tile_kv=128)
+    check_tile_counts(res, ref, skip)
+    assert rel_l1(res.out, ref.out) < 1.5e-2
+    _check_lse(res, ref, q, k, v, layout, factor)
+
+
+@pytest.mark.parametrize("skip", [None, 0.02])
+@pytest.mark.parametrize("dim,kv_heads", [(128, 24), (128, 8), (64, 6)])
+def test_more_work_tiles_than_sms(dim, kv_heads, skip):
+    """4 sequences x 24 heads x 4608 tokens (Flux 1024² at batch 4): 3,456 work tiles of 36 KV tiles, about 26 per
+    CTA on an H100; GQA; the output, skipped tiles and log-sum-exp against the reference."""
+    lens = (4608,) * 4
+    q, k, v, layout = _ragged(lens, lens, dim, heads=24, kv_heads=kv_heads)
+    quant = _int8(smooth_k=True)
+    factor = None if skip is None else skip * layout.max_seqlen_kv
+    res = _attention(q, k, v, layout, softmax_scale=dim**-0.5, skip_factor=factor, quant=quant, collect_stats=True,
+                     return_lse=True)
+    ref = _reference(q, k, v, layout, skip_factor=factor, quant=quant, tile_q=64, tile_kv=128)
+    check_tile_counts(res, ref, skip)
+    assert rel_l1(res.out, ref.out) < 1.5e-2
+    _check_lse(res, ref, q, k, v, layout, factor)
+
+
+@pytest.mark.parametrize("skip", [None, 0.02])
+@pytest.mark.parametrize("case", ["flux_batch4", "zero_and_one_token", "one_token_first"])
+@pytest.mark.parametrize("dim", [64, 128])
+def test_persistent_computes_what_one_cta_per_tile_does(dim, case, skip):
+    """The persistent kernel and one CTA per work tile (SAGE_SM90_PERSISTENT=0) run the same arithmetic on every
+    tile, in another order: the outputs and log-sum-exps agree to rounding (bit for bit where ptxas schedules the
+    two alike) and the skipped tiles to a borderline tile or two."""
+    lens_q, lens_kv = ((4608,) * 4, (4608,) * 4) if case == "flux_batch4" else RAGGED_EDGES[case]
+    q, k, v, layout = _ragged(lens_q, lens_kv, dim, heads=24 if case == "flux_batch4" else 8,
+                              kv_heads=8 if case == "flux_batch4" else 2)
+    quant = _int8(smooth_k=True)
+    factor = None if skip is None else skip * layout.max_seqlen_kv
+    runs = [_attention(q, k, v, layout, softmax_scale=dim**-0.5, skip_factor=factor, quant=quant, collect_stats=True,
+                       return_lse=True, defines=defines) for defines in ((), BUILDS["non_persistent"])]
+    persistent, per_tile = runs
+    assert persistent.total_tiles == per_tile.total_tiles
+    if skip is not None:
+        assert abs(persistent.skipped_tiles - per_tile.skipped_tiles) <= 2
+    assert rel_l1(persistent.out, per_tile.out) < 1e-3
+    assert torch.isfinite(persistent.lse).all() and (persistent.lse - per_tile.lse).abs().max() < 1e-3

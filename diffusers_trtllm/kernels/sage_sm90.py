@@ -9,6 +9,8 @@ docs/design.md defines it (int8 Q/K with per-block scales, K blocks of ``K_BLOCK
 ``K_PER_THREAD`` says where the call leaves them to the route, ``smooth_k``, fp8 V per channel less its mean,
 P as ``448 * p`` in fp8), quantized by the ``triton`` route's fused quantizer with V's keys in this kernel's register order.
 Each row's log-sum-exp comes back where a call asks for it (ring attention's KV shards), as the ``triton`` route's.
+The kernel is persistent by default (``SAGE_SM90_PERSISTENT``, issue 57): one CTA per SM (the device's SM count, read
+once) up to the work tiles there are, each CTA looping over tiles of 128 query rows of one sequence and head.
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ K_PER_THREAD = True
 #: Query rows per CTA (two consumer warpgroups) and threads per CTA (with the producer warpgroup).
 _CTA_ROWS, _THREADS = 128, 384
 _SOURCE = "sage_sm90.cu"
+#: ``SAGE_SM90_PERSISTENT``'s default in the source: one CTA per SM looping over the work tiles (issue 57).
+PERSISTENT = True
 _OUT_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
@@ -64,10 +68,11 @@ class _Params(ctypes.Structure):
                 ("n_q_blocks", ctypes.c_int), ("n_k_blocks", ctypes.c_int), ("out_stride_t", ctypes.c_longlong),
                 ("out_stride_h", ctypes.c_longlong), ("heads", ctypes.c_int), ("group", ctypes.c_int),
                 ("q_shift", ctypes.c_int), ("k_shift", ctypes.c_int), ("count_skipped", ctypes.c_int),
-                ("k_per_thread", ctypes.c_int), ("lse", ctypes.c_void_p)]
+                ("k_per_thread", ctypes.c_int), ("lse", ctypes.c_void_p), ("num_seqs", ctypes.c_int)]
 
 
-#: ``_Params`` as ``struct`` packs it (its fields leave no padding), in one C call per launch.
+#: ``_Params`` as ``struct`` packs it (no padding between its fields; the C struct's 4 bytes of tail padding are
+#: in the block, unwritten), in one C call per launch.
 _PARAMS = struct.Struct("=" + "".join({ctypes.c_void_p: "Q", ctypes.c_float: "f", ctypes.c_int: "i",
                                        ctypes.c_longlong: "q"}[t] for _, t in _Params._fields_))
 
@@ -77,7 +82,7 @@ class _Arguments(threading.local):
     block): the driver copies both at the launch, so each launch refills the same memory."""
 
     def __init__(self) -> None:
-        self.params = ctypes.create_string_buffer(_PARAMS.size)
+        self.params = ctypes.create_string_buffer(ctypes.sizeof(_Params))
         self.addresses = (ctypes.c_void_p * 4)(0, 0, 0, ctypes.addressof(self.params))
 
 
@@ -141,6 +146,32 @@ def build_kernels(variants: Iterable[Variant] = VARIANTS, builds: Iterable[tuple
     with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
         done = pool.map(lambda vb: sage_sm90_cubin(vb[0], vb[1], compiler, announce=False), work)
         return list(tqdm(done, total=len(work), desc=f"sage-sm90 kernels ({compiler.version})", unit="kernel"))
+
+
+def _persistent(defines: tuple[str, ...]) -> bool:
+    """Whether a build with these ``-D`` knobs is the persistent kernel (the last ``SAGE_SM90_PERSISTENT`` wins, as
+    with the compiler's ``-D``; a bare name is 1)."""
+    persistent = PERSISTENT
+    for define in defines:
+        name, _, value = define.partition("=")
+        if name.strip() == "SAGE_SM90_PERSISTENT":
+            persistent = int(value or 1) != 0
+    return persistent
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _grid(layout: PackedLayout, heads: int, persistent: bool, device: torch.device) -> tuple[int, int, int]:
+    """The launch grid: one CTA per (128 query rows, sequence x head), or for the persistent kernel one CTA per SM up
+    to the work tiles there are (a sequence without queries or keys has none), each looping over tiles."""
+    if not persistent:
+        return (-(-layout.max_seqlen_q // _CTA_ROWS), layout.num_seqs * heads, 1)
+    tiles = heads * sum(-(-lq // _CTA_ROWS) for lq, lkv in zip(layout.q_lens, layout.kv_lens) if lkv)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return (max(1, min(tiles, _sm_count(index))), 1, 1)
 
 
 def _kernel(device: torch.device, head_dim: int, out_dtype: torch.dtype, k_block_size: int, skip: bool,
@@ -242,11 +273,11 @@ def sage_sm90_attention(
         softmax_scale * LOG2E, skip_factor or 0.0, st.q_scale.shape[1], st.k_scale.shape[1],
         heads * dim, dim, heads, heads // kv_heads,  # out's strides: it is contiguous [tokens, heads, dim]
         quant.q_block_size.bit_length() - 1, quant.k_block_size.bit_length() - 1, count, quant.k_per_thread,
-        lse.data_ptr() if lse is not None else 0,
+        lse.data_ptr() if lse is not None else 0, layout.num_seqs,
     )
     # A skip factor of 0 can skip nothing (lambda = 0): the kernel without the vote gives the same output, faster.
     kernel = _kernel(device, dim, q.dtype, quant.k_block_size, bool(skip_factor), tuple(defines))
-    grid = (-(-layout.max_seqlen_q // _CTA_ROWS), layout.num_seqs * heads, 1)
+    grid = _grid(layout, heads, _persistent(defines), device)
     kernel.launch(grid, _THREADS, arguments, cuda_jit.current_stream(device))
     if return_lse and st.k_mean is not None:  # the kernel's is of the logits less q . k_mean (smooth_k)
         lse = lse_before_smoothing(lse, st.dequantized_q(layout, quant.q_block_size), st.k_mean, softmax_scale)

@@ -13,6 +13,14 @@
 // the H200 since 2026-12-03, docs/design.md "What skip costs"), and each issues P.V of tile n together with
 // Q.K^T of tile n + 1.
 //
+// Persistent (SAGE_SM90_PERSISTENT, issue 57): the host launches min(work tiles, SMs) CTAs, and CTA b runs the work
+// tiles b, b + gridDim.x, ... (WorkTile: numbered by sequence, head, query tile, so that the CTAs running together
+// share K and V in L2). The K/V ring's stages and phases count the CTA's KV tiles across its work tiles, and Q has
+// two buffers (one where two do not fit beside the stages) with a full and an empty barrier each: the consumers
+// hand Q back after a tile's last Q.K^T, so the next tile's Q and first KV tiles load while they finish the last
+// P.V and store the output. One CTA per work tile (0) paid that prologue and epilogue with the SM otherwise idle,
+// about 6 of Flux 1024 x 1024's 36 KV tiles a CTA.
+//
 // Per KV tile a consumer: S = Q K^T (wgmma int8 -> int32); the row max over integers within each group of
 // scores sharing a K scale, scaled once per group; the skip vote (one warpgroup-wide OR); p = 448 * 2^x
 // with x one FFMA on S's exact float (about a quarter of them by a cubic on the FMA pipe, the rest on the
@@ -33,7 +41,9 @@
 // SAGE_SM90_OVERLAP (FA3's intra-warpgroup overlap: Q.K^T of tile n + 1 and P.V of tile n in two commit
 // groups, softmax of tile n + 1 beside the latter; 0: both in one group, waited for together) and
 // SAGE_SM90_HALF_POLY (the FMA-pipe exponentials two at a time in half precision, exp2_e4m3x2; 0: one at a
-// time in fp32). The defaults are the fastest measured (benchmarks/results/sage_sm90_sweep_h200.md).
+// time in fp32), SAGE_SM90_PERSISTENT and SAGE_SM90_Q_BUFFERS (the persistent kernel's Q buffers, at most). The
+// defaults are the fastest measured (benchmarks/results/sage_sm90_sweep_h200.md; the persistent kernel's default
+// awaits its H100 timing).
 
 #ifndef SAGE_SM90_SOFT_EXP  // of each row's 16 score chunks, how many take exp2_poly (fast path)
 #define SAGE_SM90_SOFT_EXP 4
@@ -49,6 +59,12 @@
 #endif
 #ifndef SAGE_SM90_OVERLAP  // FA3's intra-warpgroup overlap (softmax of tile n beside P.V of tile n - 1)
 #define SAGE_SM90_OVERLAP 1
+#endif
+#ifndef SAGE_SM90_PERSISTENT  // one CTA per SM looping over the work tiles (1); 0: one CTA per work tile
+#define SAGE_SM90_PERSISTENT 1
+#endif
+#ifndef SAGE_SM90_Q_BUFFERS  // Q buffers of the persistent kernel, at most (2: the next tile's Q loads early)
+#define SAGE_SM90_Q_BUFFERS 2
 #endif
 
 namespace sage_sm90 {
@@ -101,6 +117,7 @@ struct Params {
   int count_skipped;
   int k_per_thread;        // each K block has four scales, key j's being (j % 8) / 2: a quad lane's keys
   float* lse;              // [tokens_q, heads]: each row's natural log-sum-exp (ring attention); null: not asked
+  int num_seqs;            // sequences in cu_q / cu_kv (the persistent kernel's schedule walks them)
 };
 
 template <bool B>
@@ -438,20 +455,31 @@ __device__ __forceinline__ void issue_row_sums(float (&sums)[4], const uint32_t 
 
 // ---- shared memory ------------------------------------------------------------------------------------
 
-template <int D, int STAGES>
+template <int D, int STAGES, int Q_BUFS>
 struct Smem {
-  uint8_t q[CONSUMERS * BLOCK_M * D];  // rows of D bytes, D-byte swizzle
+  uint8_t q[Q_BUFS][CONSUMERS * BLOCK_M * D];  // rows of D bytes, D-byte swizzle
   uint8_t k[STAGES][BLOCK_N * D];      // rows of D bytes
   uint8_t v[STAGES][(D + 8) * BLOCK_N];  // V^T tile: D rows of 128 keys (128-byte swizzle), then ones, zeros
   float k_scale[STAGES][BLOCK_N];      // each key's scale, staged by the producer
-  uint64_t full_q;
+  uint64_t full_q[Q_BUFS];
+  uint64_t empty_q[Q_BUFS];            // the consumers are done with the buffer's Q (persistent kernel only)
   uint64_t full_k[STAGES];             // K tile (TMA) and its scales (32 producer lanes)
   uint64_t full_v[STAGES];
   uint64_t empty[STAGES];
 };
 
-template <int D, int STAGES>
-constexpr int smem_bytes() { return static_cast<int>(sizeof(Smem<D, STAGES>)) + 1024; }  // + alignment slack
+constexpr int MAX_SMEM = 227 * 1024;  // dynamic shared memory a CTA may have on sm_90
+
+// Q buffers: one per CTA, or in the persistent kernel up to SAGE_SM90_Q_BUFFERS where they fit beside the stages.
+template <int D, int STAGES, bool PERSISTENT>
+__host__ __device__ constexpr int q_buffers() {
+  return PERSISTENT && SAGE_SM90_Q_BUFFERS >= 2 && sizeof(Smem<D, STAGES, 2>) + 1024 <= MAX_SMEM ? 2 : 1;
+}
+
+template <int D, int STAGES, bool PERSISTENT>
+__host__ __device__ constexpr int smem_bytes() {  // + alignment slack
+  return static_cast<int>(sizeof(Smem<D, STAGES, q_buffers<D, STAGES, PERSISTENT>()>)) + 1024;
+}
 
 // G, the scores of a thread's row that share one K scale, for a K block size: a thread holds keys {2t, 2t + 1,
 // 8 + 2t, 9 + 2t} of every 16, so blocks of 1 give each score its own, 4 a pair, 16 four, 128 all 32.
@@ -604,31 +632,87 @@ __device__ __forceinline__ bool tile_softmax(const int32_t (&acc)[64], uint32_t 
   return true;
 }
 
+// ---- work tiles ---------------------------------------------------------------------------------------
+
+// A CTA's unit of work: 128 query rows (from m0) of one (sequence, head) against all of the sequence's keys, and in
+// the persistent kernel where it stands in the schedule.
+//
+// The persistent schedule (SAGE_SM90_PERSISTENT) numbers the work tiles sequence by sequence, head by head, query tile
+// by query tile, so that the CTAs running at one time mostly share a (sequence, head) and its K and V in L2; a
+// sequence without queries or without keys has no tiles. CTA b takes tiles b, b + gridDim.x, ... Each role (the TMA
+// thread, the K-scale warp, every consumer thread) walks the schedule on its own, alike: they agree on every tile
+// and on its KV tiles without a word. The cursor only moves forward, a few loads of cu_q / cu_kv and a division a
+// tile; it keeps few registers (first, w) besides the tile's own, the consumers having few to spare.
+struct WorkTile {
+  int seq, head, m0;
+  int q_start, q_len, kv_start, kv_len;
+  int w, first;  // persistent: this tile's number, and that of its sequence's first tile
+
+  __device__ __forceinline__ void load_seq(const Params& p) {
+    q_start = p.cu_q[seq];
+    q_len = p.cu_q[seq + 1] - q_start;
+    kv_start = p.cu_kv[seq];
+    kv_len = p.cu_kv[seq + 1] - kv_start;
+  }
+  // Tile w's sequence, head and rows; false past the last tile. Only seq, first and w carry over from the last
+  // tile (the sequence's bounds are read again: fewer registers, where the producer has 24).
+  __device__ __forceinline__ bool find(const Params& p) {
+    for (;;) {
+      load_seq(p);
+      const int per_head = kv_len > 0 ? (q_len + CONSUMERS * BLOCK_M - 1) / (CONSUMERS * BLOCK_M) : 0;
+      const int local = w - first;
+      if (local < p.heads * per_head) {
+        head = local / per_head;
+        m0 = (local - head * per_head) * (CONSUMERS * BLOCK_M);
+        return true;
+      }
+      first += p.heads * per_head;
+      if (++seq >= p.num_seqs) return false;
+    }
+  }
+  // This CTA's first tile; false: none (the whole CTA returns before any barrier is used).
+  template <bool PERSISTENT>
+  __device__ __forceinline__ bool start(const Params& p) {
+    if constexpr (PERSISTENT) {
+      w = blockIdx.x;
+      seq = first = 0;
+      return find(p);
+    } else {  // the grid's (query tile, sequence x head)
+      seq = blockIdx.y / p.heads;
+      head = blockIdx.y % p.heads;
+      m0 = blockIdx.x * (CONSUMERS * BLOCK_M);
+      load_seq(p);
+      return m0 < q_len && kv_len > 0;  // no keys: nothing defined to write (the host never launches such a batch)
+    }
+  }
+  // This CTA's next tile; false: done.
+  template <bool PERSISTENT>
+  __device__ __forceinline__ bool next(const Params& p) {
+    if constexpr (PERSISTENT) {
+      w += gridDim.x;
+      return find(p);
+    } else {
+      return false;
+    }
+  }
+  __device__ __forceinline__ int n_tiles() const { return (kv_len + BLOCK_N - 1) / BLOCK_N; }  // KV tiles
+};
+
 // ---- the kernel ---------------------------------------------------------------------------------------
 
 // The consumer warpgroups' part of the kernel (one branch of the role split, so that setmaxnreg can
 // give it 240 registers a thread).
-template <int D, int STAGES, int G, bool SKIP, bool PINGPONG, bool OVERLAP, typename OutT>
-__device__ __forceinline__ void consume(Smem<D, STAGES>& sm, const Params& p, int seq, int head, int kv_head,
-                                        int q_start, int q_len, int m0, int kv_len, int n_tiles, int consumer) {
+template <int D, int STAGES, int QB, int G, bool SKIP, bool PINGPONG, bool OVERLAP, bool PERSISTENT, typename OutT>
+__device__ __forceinline__ void consume(Smem<D, STAGES, QB>& sm, const Params& p, int consumer) {
   setmaxnreg_inc240();
+  WorkTile tile;
+  tile.start<PERSISTENT>(p);  // (found again here: values live across the role split cost registers on both sides)
   const int tid = threadIdx.x % 128;
   const int warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;
-  const int wg_first_row = m0 + consumer * BLOCK_M;
-  const bool wg_has_rows = wg_first_row < q_len;
-  const int row0 = wg_first_row + warp * 16 + g, row1 = row0 + 8;
-  const bool ok0 = row0 < q_len, ok1 = row1 < q_len;
-
-  const float* q_scale = p.q_scale + head * p.n_q_blocks + (q_start >> p.q_shift) + seq;
-  const float qs0 = q_scale[min(row0, q_len - 1) >> p.q_shift] * p.qk_scale_log2;
-  const float qs1 = q_scale[min(row1, q_len - 1) >> p.q_shift] * p.qk_scale_log2;
-  // The vote's reach of each row (tile_softmax): log2 lambda (-inf when skip_factor == 0) over the row's scale.
-  const float log2_lam = log2f(p.skip_factor / static_cast<float>(kv_len));
-  const float reach0 = ok0 ? log2_lam / qs0 : POS_INF, reach1 = ok1 ? log2_lam / qs1 : POS_INF;
 
   // The ones and zeros below every stage's V^T tile (TMA writes only its D rows), visible to the tensor
-  // cores (async proxy) before any P.V product.
+  // cores (async proxy) before any P.V product. Once per CTA: TMA never writes them.
   {
     const int i = consumer * 128 + tid;  // 256 threads x 16 bytes = 4 stages x 1 KB
     for (int s = i / 64; s < STAGES; s += 4) {
@@ -644,267 +728,315 @@ __device__ __forceinline__ void consume(Smem<D, STAGES>& sm, const Params& p, in
   // by 32-bit adds. Made anew for every product from generic pointers, their 64-bit masks and adds cost 1.2-1.6%
   // at 40% of tiles skipped, and NVRTC (64-bit shared pointers) more than nvcc: docs/design.md, "Compiling
   // where users run it" and "What a skipped tile costs, continued".
-  const uint64_t desc_q = desc_plus(smem_desc(smem_addr(sm.q), D), consumer * (BLOCK_M * D / 16));
+  const uint64_t desc_q0 = desc_plus(smem_desc(smem_addr(sm.q[0]), D), consumer * (BLOCK_M * D / 16));
   const uint64_t desc_k0 = smem_desc(smem_addr(sm.k[0]), D), desc_v0 = smem_desc(smem_addr(sm.v[0]), 128);
   auto desc_k = [&](uint32_t s) { return desc_plus(desc_k0, s * (sizeof(sm.k[0]) / 16)); };
   auto desc_v = [&](uint32_t s) { return desc_plus(desc_v0, s * (sizeof(sm.v[0]) / 16)); };
   auto desc_ones = [&](uint32_t s) { return desc_plus(desc_v(s), D * BLOCK_N / 16); };
-  // Tile n's K (with its scales) or V^T has landed in stage n % STAGES.
-  auto wait_k = [&](uint32_t n) { mbar_wait(&sm.full_k[n % STAGES], (n / STAGES) & 1); };
-  auto wait_v = [&](uint32_t n) { mbar_wait(&sm.full_v[n % STAGES], (n / STAGES) & 1); };
+  // The CTA's KV tile c (counted over all its work tiles: the ring's position): its K (with its scales) or V^T has
+  // landed in stage c % STAGES.
+  auto wait_k = [&](uint32_t c) { mbar_wait(&sm.full_k[c % STAGES], (c / STAGES) & 1); };
+  auto wait_v = [&](uint32_t c) { mbar_wait(&sm.full_v[c % STAGES], (c / STAGES) & 1); };
   // PINGPONG: the consumers take turns issuing their products (named barriers 1 and 2), so one's softmax
-  // runs while the other's matrix products do; the first consumer goes first.
+  // runs while the other's matrix products do; the first consumer goes first. Both take as many turns on every
+  // work tile, so the turns carry on from one to the next.
   const int my_turn = 1 + consumer, their_turn = 2 - consumer;
   const int vote_barrier = 3 + consumer;
   if (PINGPONG && consumer == 1) named_arrive(1, 256);
 
-  float o[D / 2], sums[4];  // sums[0] / sums[2]: rows g / g + 8 of the tile (at t == 0; 0 elsewhere)
-#pragma unroll
-  for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
-  float m_0 = NEG_INF, m_1 = NEG_INF, l_0 = 0.f, l_1 = 0.f;
-  int skipped = 0;
-  int32_t acc[64];
-  uint32_t pa[4][4];  // P of the tile being made
+  uint32_t base = 0;  // KV tiles of this CTA's earlier work tiles
+  // One work tile, the CTA's it-th: called once, or in the persistent kernel in a loop over the CTA's tiles.
+  auto run_tile = [&](uint32_t it) {
+    const int seq = tile.seq, head = tile.head, kv_head = head / p.group;
+    const int q_start = tile.q_start, q_len = tile.q_len, kv_len = tile.kv_len;
+    // Through a shuffle from lane 0, as warpgroup: uniform, so the ring's stages and the descriptors stay uniform.
+    const int n_tiles = __shfl_sync(0xffffffff, tile.n_tiles(), 0);
+    const uint32_t qb = it % QB;
+    const int wg_first_row = tile.m0 + consumer * BLOCK_M;
+    const bool wg_has_rows = wg_first_row < q_len;
+    const int row0 = wg_first_row + warp * 16 + g, row1 = row0 + 8;
+    const bool ok0 = row0 < q_len, ok1 = row1 < q_len;
 
-  mbar_wait(&sm.full_q, 0);
-  wait_k(0);
-  if (PINGPONG) named_sync(my_turn, 256);
-  wgmma_fence();
-  issue_qk<D>(acc, desc_q, desc_k(0));
-  wgmma_commit();
-  if (PINGPONG) named_arrive(their_turn, 256);
-  wgmma_wait<0>();
-  fence_operand(acc);
-
-  // Softmax of tile n (S in acc) into pa (the ragged last tile masked): whether the tile is kept, and each
-  // row's rescale of O. A tile before the last is never ragged: ragged_tag false builds no masked variant for it.
-  auto softmax = [&](uint32_t n, bool vote, auto ragged_tag, float& alpha0, float& alpha1) {
-    const int keys_left = kv_len - static_cast<int>(n) * BLOCK_N;
-    const uint32_t k_scale_addr = smem_addr(sm.k_scale[n % STAGES]);
-    return decltype(ragged_tag)::value && keys_left < BLOCK_N
-        ? tile_softmax<G, true, SKIP>(acc, k_scale_addr, t, keys_left, vote, vote_barrier, reach0, reach1, qs0,
-                                      qs1, m_0, m_1, alpha0, alpha1, pa)
-        : tile_softmax<G, false, SKIP>(acc, k_scale_addr, t, keys_left, vote, vote_barrier, reach0, reach1, qs0,
-                                       qs1, m_0, m_1, alpha0, alpha1, pa);
-  };
-  auto rescale_o = [&](float alpha0, float alpha1) {
-    if (__any_sync(0xffffffff, alpha0 != 1.f || alpha1 != 1.f)) {  // no rescale while the maxima hold
-#pragma unroll
-      for (int i = 0; i < D / 2; ++i) o[i] *= (i % 4) < 2 ? alpha0 : alpha1;
-    }
-  };
-
-  if constexpr (OVERLAP) {
-    uint32_t pv[4][4];      // P of the tile whose P.V product is in flight
-    // ptxas takes P.V's P registers as free once the product is issued and reuses them in the next softmax
-    // while the product still reads them (wrong results, measured). Reading the old pv after the wait, in
-    // a copy masked by a zero it cannot prove (kv_len >= 0), keeps them alive until then: 16 LOP3 a tile
-    // (keep_alive_copy; written as C++, (old & zero) | new took two each).
-    const uint32_t zero = static_cast<uint32_t>(kv_len >> 31);
-    bool sums_due = false;  // the P.V group in flight is a kept tile's: add its row sums to l
-    // Once P.V of tile n - 1 is done (waited for), its stage is free; and O, its row sums and pv (retire_pv).
-    auto release_stage = [&](uint32_t n, bool first) {  // of tile n - 1
-      if (!first) {
+    const float* q_scale = p.q_scale + head * p.n_q_blocks + (q_start >> p.q_shift) + seq;
+    const float qs0 = q_scale[min(row0, q_len - 1) >> p.q_shift] * p.qk_scale_log2;
+    const float qs1 = q_scale[min(row1, q_len - 1) >> p.q_shift] * p.qk_scale_log2;
+    // The vote's reach of each row (tile_softmax): log2 lambda (-inf when skip_factor == 0) over the row's scale.
+    const float log2_lam = log2f(p.skip_factor / static_cast<float>(kv_len));
+    const float reach0 = ok0 ? log2_lam / qs0 : POS_INF, reach1 = ok1 ? log2_lam / qs1 : POS_INF;
+    const uint64_t desc_q = desc_plus(desc_q0, qb * (sizeof(sm.q[0]) / 16));
+    // Once this tile's last Q.K^T is done, its Q buffer is the producer's again (persistent: the next tile's Q).
+    auto release_q = [&] {
+      if constexpr (PERSISTENT) {
         __syncwarp();
-        if (lane == 0) mbar_arrive(&sm.empty[(n - 1) % STAGES]);
+        if (lane == 0) mbar_arrive(&sm.empty_q[qb]);
       }
     };
-    auto retire_pv = [&](uint32_t n, bool first) {
+
+    float o[D / 2], sums[4];  // sums[0] / sums[2]: rows g / g + 8 of the tile (at t == 0; 0 elsewhere)
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+    float m_0 = NEG_INF, m_1 = NEG_INF, l_0 = 0.f, l_1 = 0.f;
+    int skipped = 0;
+    int32_t acc[64];
+    uint32_t pa[4][4];  // P of the tile being made
+
+    mbar_wait(&sm.full_q[qb], (it / QB) & 1);
+    wait_k(base);
+    if (PINGPONG) named_sync(my_turn, 256);
+    wgmma_fence();
+    issue_qk<D>(acc, desc_q, desc_k(base % STAGES));
+    wgmma_commit();
+    if (PINGPONG) named_arrive(their_turn, 256);
+    wgmma_wait<0>();
+    fence_operand(acc);
+
+    // Softmax of KV tile c (S in acc) into pa (the ragged last tile masked): whether the tile is kept, and each
+    // row's rescale of O. A tile before the last is never ragged: ragged_tag false builds no masked variant for it.
+    auto softmax = [&](uint32_t c, bool vote, auto ragged_tag, float& alpha0, float& alpha1) {
+      const int keys_left = kv_len - static_cast<int>(c - base) * BLOCK_N;
+      const uint32_t k_scale_addr = smem_addr(sm.k_scale[c % STAGES]);
+      return decltype(ragged_tag)::value && keys_left < BLOCK_N
+          ? tile_softmax<G, true, SKIP>(acc, k_scale_addr, t, keys_left, vote, vote_barrier, reach0, reach1, qs0,
+                                        qs1, m_0, m_1, alpha0, alpha1, pa)
+          : tile_softmax<G, false, SKIP>(acc, k_scale_addr, t, keys_left, vote, vote_barrier, reach0, reach1, qs0,
+                                         qs1, m_0, m_1, alpha0, alpha1, pa);
+    };
+    auto rescale_o = [&](float alpha0, float alpha1) {
+      if (__any_sync(0xffffffff, alpha0 != 1.f || alpha1 != 1.f)) {  // no rescale while the maxima hold
+#pragma unroll
+        for (int i = 0; i < D / 2; ++i) o[i] *= (i % 4) < 2 ? alpha0 : alpha1;
+      }
+    };
+
+    if constexpr (OVERLAP) {
+      uint32_t pv[4][4];      // P of the tile whose P.V product is in flight
+      // ptxas takes P.V's P registers as free once the product is issued and reuses them in the next softmax
+      // while the product still reads them (wrong results, measured). Reading the old pv after the wait, in
+      // a copy masked by a zero it cannot prove (kv_len >= 0), keeps them alive until then: 16 LOP3 a tile
+      // (keep_alive_copy; written as C++, (old & zero) | new took two each).
+      const uint32_t zero = static_cast<uint32_t>(kv_len >> 31);
+      bool sums_due = false;  // the P.V group in flight is a kept tile's: add its row sums to l
+      // Once P.V of tile c - 1 is done (waited for), its stage is free; and O, its row sums and pv (retire_pv).
+      auto release_stage = [&](uint32_t c, bool first) {  // of tile c - 1
+        if (!first) {
+          __syncwarp();
+          if (lane == 0) mbar_arrive(&sm.empty[(c - 1) % STAGES]);
+        }
+      };
+      auto retire_pv = [&](uint32_t c, bool first) {
+        fence_operand(o);
+        fence_operand(sums);
+        fence_operand(pv);
+        if (sums_due) {
+          l_0 += sums[0];
+          l_1 += sums[2];
+        }
+        release_stage(c, first);
+      };
+      // Per tile c (FA3's intra-warpgroup overlap): softmax of tile c runs while the tensor cores finish P.V of
+      // tile c - 1; then Q.K^T of tile c + 1 and P.V of tile c are issued, in that order and as two commit
+      // groups, so that the next softmax waits for the former only. The last tile (no Q.K^T to issue) is the
+      // same step with MORE false. The work tile's first KV tile (no vote, no P.V in flight) is a step of its own,
+      // first_tag a BoolConstant there and in the loop, and a step with MORE is never ragged, so the loop carries
+      // neither the test for the first tile nor the masked softmax (1.3-1.5% faster, 2-5% with tiles skipped:
+      // docs/design.md, "Tile 0 out of the loop"). The last step's first_tag is a bool: it is the first too when it is
+      // the only one.
+      auto step = [&](uint32_t c, auto more_tag, auto first_tag) {  // unsigned: stage and phase by masks and shifts
+        constexpr bool MORE = decltype(more_tag)::value;
+        const bool first = first_tag;
+        const uint32_t s = c % STAGES;
+        if (first) wgmma_wait<0>(); else wgmma_wait<1>();  // Q.K^T of tile c is done
+        fence_operand(acc);
+        if constexpr (!MORE) release_q();  // (its last Q.K^T)
+        float alpha0, alpha1;
+        const bool keep = softmax(c, !first, BoolConstant<!MORE>{}, alpha0, alpha1);
+        auto issue_next_qk = [&] {
+          wgmma_fence();
+          issue_qk<D>(acc, desc_q, desc_k((c + 1) % STAGES));
+          wgmma_commit();
+        };
+        if (SKIP && !PINGPONG && STAGES > 2 && MORE && !keep) {
+          // Skipped: S of tile c is dead, so Q.K^T of tile c + 1 goes to the tensor cores now, behind P.V of
+          // tile c - 1 where that still runs (all skipped 4-6% faster, about 40% skipped 1-2%:
+          // docs/design.md, "Issuing the next Q.K^T first"), and an empty group after it keeps the next step's
+          // wait the same. P.V's row sums wait for the next step's retire_pv (no product writes them before):
+          // reading them or O here, with Q.K^T in flight, makes ptxas serialize every product (C7514). With two
+          // stages, tile c + 1's K goes where tile c - 1's V is, so it cannot land before that stage is free.
+          wait_k(c + 1);
+          issue_next_qk();
+          wgmma_wait<1>();  // P.V of tile c - 1 is done: its stage is free
+          release_stage(c, first);
+          ++skipped;
+          wait_v(c);
+          wgmma_fence();
+          wgmma_commit();
+          return;
+        }
+        wgmma_wait<0>();
+        retire_pv(c, first);
+        if (keep) {
+          l_0 *= alpha0;
+          l_1 *= alpha1;
+          rescale_o(alpha0, alpha1);
+#pragma unroll
+          for (int kk = 0; kk < 4; ++kk) {
+#pragma unroll
+            for (int j = 0; j < 4; ++j) pv[kk][j] = keep_alive_copy(pv[kk][j], zero, pa[kk][j]);
+          }
+        } else {
+          ++skipped;
+        }
+        sums_due = keep;
+
+        if (MORE) wait_k(c + 1);
+        wait_v(c);  // a skipped tile's V must land too before its stage is reused
+        if (PINGPONG) named_sync(my_turn, 256);
+        // A skipped tile still commits a second group, empty (its row sums' products, issued until 2026-12-03,
+        // cost it 4% of its time), so that every step after the first starts with the same two groups in
+        // flight: ptxas keeps the products asynchronous only when the groups a wait retires are the same on
+        // every path. And each way of the
+        // branch issues whole commit groups: a product under a branch inside a group, ptxas closes in a group
+        // of its own, which the next step's wait for Q.K^T then retires, so that P.V never ran beside the
+        // softmax (restoring that measured the same speed: docs/design.md, "What skip costs").
+        auto issue = [&](auto keep_tag) {
+          if (MORE) issue_next_qk();
+          wgmma_fence();
+          if constexpr (decltype(keep_tag)::value) {
+            issue_pv<D>(o, pv, desc_v(s));
+            issue_row_sums(sums, pv, desc_ones(s));
+          }
+          wgmma_commit();  // a skipped tile's group is empty
+        };
+        if (keep) issue(BoolConstant<true>{}); else issue(BoolConstant<false>{});
+        if (PINGPONG) named_arrive(their_turn, 256);
+      };
+      const uint32_t end = base + static_cast<uint32_t>(n_tiles);
+      if (n_tiles > 1) step(base, BoolConstant<true>{}, BoolConstant<true>{});
+      for (uint32_t c = base + 1; c + 1 < end; ++c) step(c, BoolConstant<true>{}, BoolConstant<false>{});
+      step(end - 1, BoolConstant<false>{}, n_tiles == 1);
+      wgmma_wait<0>();
       fence_operand(o);
       fence_operand(sums);
-      fence_operand(pv);
       if (sums_due) {
         l_0 += sums[0];
         l_1 += sums[2];
       }
-      release_stage(n, first);
-    };
-    // Per tile n (FA3's intra-warpgroup overlap): softmax of tile n runs while the tensor cores finish P.V of
-    // tile n - 1; then Q.K^T of tile n + 1 and P.V of tile n are issued, in that order and as two commit
-    // groups, so that the next softmax waits for the former only. The last tile (no Q.K^T to issue) is the
-    // same step with MORE false. Tile 0 (no vote, no P.V in flight) is a step of its own, first_tag a BoolConstant
-    // there and in the loop, and a step with MORE is never ragged, so the loop carries neither the test for tile 0
-    // nor the masked softmax (1.3-1.5% faster, 2-5% with tiles skipped: docs/design.md, "Tile 0 out of the loop").
-    // The last step's first_tag is a bool: it is tile 0 too when it is the only one.
-    auto step = [&](uint32_t n, auto more_tag, auto first_tag) {  // unsigned: stage and phase by masks and shifts
-      constexpr bool MORE = decltype(more_tag)::value;
-      const bool first = first_tag;
-      const uint32_t s = n % STAGES;
-      if (first) wgmma_wait<0>(); else wgmma_wait<1>();  // Q.K^T of tile n is done
-      fence_operand(acc);
-      float alpha0, alpha1;
-      const bool keep = softmax(n, !first, BoolConstant<!MORE>{}, alpha0, alpha1);
-      auto issue_next_qk = [&] {
-        wgmma_fence();
-        issue_qk<D>(acc, desc_q, desc_k((n + 1) % STAGES));
-        wgmma_commit();
-      };
-      if (SKIP && !PINGPONG && STAGES > 2 && MORE && !keep) {
-        // Skipped: S of tile n is dead, so Q.K^T of tile n + 1 goes to the tensor cores now, behind P.V of
-        // tile n - 1 where that still runs (all skipped 4-6% faster, about 40% skipped 1-2%:
-        // docs/design.md, "Issuing the next Q.K^T first"), and an empty group after it keeps the next step's
-        // wait the same. P.V's row sums wait for the next step's retire_pv (no product writes them before):
-        // reading them or O here, with Q.K^T in flight, makes ptxas serialize every product (C7514). With two
-        // stages, tile n + 1's K goes where tile n - 1's V is, so it cannot land before that stage is free.
-        wait_k(n + 1);
-        issue_next_qk();
-        wgmma_wait<1>();  // P.V of tile n - 1 is done: its stage is free
-        release_stage(n, first);
-        ++skipped;
-        wait_v(n);
-        wgmma_fence();
-        wgmma_commit();
-        return;
-      }
-      wgmma_wait<0>();
-      retire_pv(n, first);
-      if (keep) {
-        l_0 *= alpha0;
-        l_1 *= alpha1;
-        rescale_o(alpha0, alpha1);
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-#pragma unroll
-          for (int j = 0; j < 4; ++j) pv[kk][j] = keep_alive_copy(pv[kk][j], zero, pa[kk][j]);
+      if constexpr (PERSISTENT) release_stage(end, false);  // the last tile's stage: the next work tile's
+    } else {
+      // Per tile c: softmax of tile c (S in acc), then P.V of tile c and Q.K^T of tile c + 1 issued together,
+      // so the tensor cores run them back to back, and waited for together.
+      const uint32_t end = base + static_cast<uint32_t>(n_tiles);
+      for (uint32_t c = base; c < end; ++c) {  // unsigned: stage and phase by masks and shifts
+        const uint32_t s = c % STAGES;
+        const bool more = c + 1 < end;
+        if (!more) release_q();  // its last Q.K^T is done
+        float alpha0, alpha1;
+        const bool keep = softmax(c, c > base, BoolConstant<true>{}, alpha0, alpha1);
+        if (keep) {
+          rescale_o(alpha0, alpha1);
+        } else {
+          ++skipped;
         }
-      } else {
-        ++skipped;
-      }
-      sums_due = keep;
 
-      if (MORE) wait_k(n + 1);
-      wait_v(n);  // a skipped tile's V must land too before its stage is reused
-      if (PINGPONG) named_sync(my_turn, 256);
-      // A skipped tile still commits a second group, empty (its row sums' products, issued until 2026-12-03,
-      // cost it 4% of its time), so that every step after the first starts with the same two groups in
-      // flight: ptxas keeps the products asynchronous only when the groups a wait retires are the same on
-      // every path. And each way of the
-      // branch issues whole commit groups: a product under a branch inside a group, ptxas closes in a group
-      // of its own, which the next step's wait for Q.K^T then retires, so that P.V never ran beside the
-      // softmax (restoring that measured the same speed: docs/design.md, "What skip costs").
-      auto issue = [&](auto keep_tag) {
-        if (MORE) issue_next_qk();
-        wgmma_fence();
-        if constexpr (decltype(keep_tag)::value) {
-          issue_pv<D>(o, pv, desc_v(s));
-          issue_row_sums(sums, pv, desc_ones(s));
+        if (more) wait_k(c + 1);
+        wait_v(c);  // a skipped tile's V must land too before its stage is reused
+        if (PINGPONG) named_sync(my_turn, 256);
+        if (keep) {
+          wgmma_fence();
+          issue_pv<D>(o, pa, desc_v(s));
+          issue_row_sums(sums, pa, desc_ones(s));
         }
-        wgmma_commit();  // a skipped tile's group is empty
+        if (more) {
+          wgmma_fence();
+          issue_qk<D>(acc, desc_q, desc_k((c + 1) % STAGES));
+        }
+        wgmma_commit();
+        if (PINGPONG) named_arrive(their_turn, 256);
+        wgmma_wait<0>();
+        fence_operand(o);
+        fence_operand(sums);
+        fence_operand(acc);
+        if (keep) {
+          l_0 = fmaf(l_0, alpha0, sums[0]);
+          l_1 = fmaf(l_1, alpha1, sums[2]);
+        }
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&sm.empty[s]);
+      }
+    }
+
+    // ---- epilogue: O / l * v_scale + v_mean (and the LSE when asked), rows of this sequence only; in the persistent
+    // kernel the producer meanwhile loads the next work tile's Q and first KV tiles ----
+    l_0 = __shfl_sync(0xffffffff, l_0, lane & ~3);
+    l_1 = __shfl_sync(0xffffffff, l_1, lane & ~3);
+    const float inv0 = 1.f / (l_0 > 0.f ? l_0 : 1.f), inv1 = 1.f / (l_1 > 0.f ? l_1 : 1.f);
+    // The log-sum-exp of the scaled logits, when asked: the max in log2 units (m * qs) plus log2 of the row sum
+    // less P's 448, in natural log (-inf for a row without keys); one lane of each quad writes its rows.
+    if (p.lse != nullptr && t == 0) {
+      auto row_lse = [](float m, float qs, float l) {
+        return l > 0.f ? (fmaf(m, qs, log2f(l)) - LOG2_P_SCALE) * LN2 : NEG_INF;
       };
-      if (keep) issue(BoolConstant<true>{}); else issue(BoolConstant<false>{});
-      if (PINGPONG) named_arrive(their_turn, 256);
-    };
-    if (n_tiles > 1) step(0, BoolConstant<true>{}, BoolConstant<true>{});
-    for (uint32_t n = 1; n + 1 < static_cast<uint32_t>(n_tiles); ++n) step(n, BoolConstant<true>{}, BoolConstant<false>{});
-    step(n_tiles - 1, BoolConstant<false>{}, n_tiles == 1);
-    wgmma_wait<0>();
-    fence_operand(o);
-    fence_operand(sums);
-    if (sums_due) {
-      l_0 += sums[0];
-      l_1 += sums[2];
+      float* lse = p.lse + head;
+      if (ok0) lse[(q_start + row0) * p.heads] = row_lse(m_0, qs0, l_0);
+      if (ok1) lse[(q_start + row1) * p.heads] = row_lse(m_1, qs1, l_1);
+    }
+    // Pointers at this thread's first column, columns 8j further by immediate offsets (with col = 8j + 2t in each
+    // index, ptxas made every address anew in the one-tile build: its epilogue 2x as long).
+    const float* v_scale = p.v_scale + kv_head * D + 2 * t;
+    const float* v_mean = p.v_mean + kv_head * D + 2 * t;
+    OutT* out = static_cast<OutT*>(p.out) + head * p.out_stride_h + 2 * t;
+    OutT* out0 = out + (q_start + row0) * p.out_stride_t;
+    OutT* out1 = out + (q_start + row1) * p.out_stride_t;
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j) {
+      const float vs0 = __ldg(v_scale + 8 * j), vs1 = __ldg(v_scale + 8 * j + 1);
+      const float vm0 = __ldg(v_mean + 8 * j), vm1 = __ldg(v_mean + 8 * j + 1);
+      if (ok0) {
+        out0[8 * j] = to_output<OutT>(fmaf(o[4 * j] * inv0, vs0, vm0));
+        out0[8 * j + 1] = to_output<OutT>(fmaf(o[4 * j + 1] * inv0, vs1, vm1));
+      }
+      if (ok1) {
+        out1[8 * j] = to_output<OutT>(fmaf(o[4 * j + 2] * inv1, vs0, vm0));
+        out1[8 * j + 1] = to_output<OutT>(fmaf(o[4 * j + 3] * inv1, vs1, vm1));
+      }
+    }
+    if (SKIP && p.count_skipped && wg_has_rows && tid == 0) atomicAdd(p.stats, skipped);
+    base += static_cast<uint32_t>(n_tiles);
+  };
+  if constexpr (PERSISTENT) {
+    // The loop's exit is uniform through a shuffle, as n_tiles: an exit ptxas takes for divergent serialized the
+    // serial build's products (C7520).
+    for (uint32_t it = 0;; ++it) {
+      run_tile(it);
+      if (!__shfl_sync(0xffffffff, static_cast<int>(tile.next<PERSISTENT>(p)), 0)) break;
     }
   } else {
-    // Per tile n: softmax of tile n (S in acc), then P.V of tile n and Q.K^T of tile n + 1 issued together,
-    // so the tensor cores run them back to back, and waited for together.
-    for (uint32_t n = 0; n < static_cast<uint32_t>(n_tiles); ++n) {  // unsigned: stage and phase by masks and shifts
-      const uint32_t s = n % STAGES;
-      const bool more = n + 1 < static_cast<uint32_t>(n_tiles);
-      float alpha0, alpha1;
-      const bool keep = softmax(n, n > 0, BoolConstant<true>{}, alpha0, alpha1);
-      if (keep) {
-        rescale_o(alpha0, alpha1);
-      } else {
-        ++skipped;
-      }
-
-      if (more) wait_k(n + 1);
-      wait_v(n);  // a skipped tile's V must land too before its stage is reused
-      if (PINGPONG) named_sync(my_turn, 256);
-      if (keep) {
-        wgmma_fence();
-        issue_pv<D>(o, pa, desc_v(s));
-        issue_row_sums(sums, pa, desc_ones(s));
-      }
-      if (more) {
-        wgmma_fence();
-        issue_qk<D>(acc, desc_q, desc_k((n + 1) % STAGES));
-      }
-      wgmma_commit();
-      if (PINGPONG) named_arrive(their_turn, 256);
-      wgmma_wait<0>();
-      fence_operand(o);
-      fence_operand(sums);
-      fence_operand(acc);
-      if (keep) {
-        l_0 = fmaf(l_0, alpha0, sums[0]);
-        l_1 = fmaf(l_1, alpha1, sums[2]);
-      }
-      __syncwarp();
-      if (lane == 0) mbar_arrive(&sm.empty[s]);
-    }
+    run_tile(0);
   }
   if (PINGPONG && consumer == 0) named_sync(my_turn, 256);  // the second consumer's last arrival
-
-  // ---- epilogue: O / l * v_scale + v_mean (and the LSE when asked), rows of this sequence only ----
-  l_0 = __shfl_sync(0xffffffff, l_0, lane & ~3);
-  l_1 = __shfl_sync(0xffffffff, l_1, lane & ~3);
-  const float inv0 = 1.f / (l_0 > 0.f ? l_0 : 1.f), inv1 = 1.f / (l_1 > 0.f ? l_1 : 1.f);
-  // The log-sum-exp of the scaled logits, when asked: the max in log2 units (m * qs) plus log2 of the row sum
-  // less P's 448, in natural log (-inf for a row without keys); one lane of each quad writes its rows.
-  if (p.lse != nullptr && t == 0) {
-    auto row_lse = [](float m, float qs, float l) {
-      return l > 0.f ? (fmaf(m, qs, log2f(l)) - LOG2_P_SCALE) * LN2 : NEG_INF;
-    };
-    float* lse = p.lse + head;
-    if (ok0) lse[(q_start + row0) * p.heads] = row_lse(m_0, qs0, l_0);
-    if (ok1) lse[(q_start + row1) * p.heads] = row_lse(m_1, qs1, l_1);
-  }
-  const float* v_scale = p.v_scale + kv_head * D;
-  const float* v_mean = p.v_mean + kv_head * D;
-  OutT* out = static_cast<OutT*>(p.out) + head * p.out_stride_h;
-#pragma unroll
-  for (int j = 0; j < D / 8; ++j) {
-    const int col = 8 * j + 2 * t;
-    const float vs0 = __ldg(v_scale + col), vs1 = __ldg(v_scale + col + 1);
-    const float vm0 = __ldg(v_mean + col), vm1 = __ldg(v_mean + col + 1);
-    if (ok0) {
-      OutT* dst = out + (q_start + row0) * p.out_stride_t + col;
-      dst[0] = to_output<OutT>(fmaf(o[4 * j] * inv0, vs0, vm0));
-      dst[1] = to_output<OutT>(fmaf(o[4 * j + 1] * inv0, vs1, vm1));
-    }
-    if (ok1) {
-      OutT* dst = out + (q_start + row1) * p.out_stride_t + col;
-      dst[0] = to_output<OutT>(fmaf(o[4 * j + 2] * inv1, vs0, vm0));
-      dst[1] = to_output<OutT>(fmaf(o[4 * j + 3] * inv1, vs1, vm1));
-    }
-  }
-  if (SKIP && p.count_skipped && wg_has_rows && tid == 0) atomicAdd(p.stats, skipped);
 }
 
-template <int D, int STAGES, int G, bool SKIP, bool PINGPONG, bool OVERLAP, typename OutT>
+template <int D, int STAGES, int G, bool SKIP, bool PINGPONG, bool OVERLAP, bool PERSISTENT, typename OutT>
 __device__ __forceinline__ void attention(const TensorMap* map_q, const TensorMap* map_k, const TensorMap* map_v,
                                           const Params& p) {
+  constexpr int QB = q_buffers<D, STAGES, PERSISTENT>();
+  static_assert(smem_bytes<D, STAGES, PERSISTENT>() <= MAX_SMEM, "shared memory past sm_90's 227 KB");
   extern __shared__ uint8_t smem_raw[];
-  auto& sm = *reinterpret_cast<Smem<D, STAGES>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  auto& sm = *reinterpret_cast<Smem<D, STAGES, QB>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
 
-  const int seq = blockIdx.y / p.heads;
-  const int head = blockIdx.y % p.heads;
-  const int kv_head = head / p.group;
-  const int q_start = p.cu_q[seq];
-  const int q_len = p.cu_q[seq + 1] - q_start;
-  const int m0 = blockIdx.x * (CONSUMERS * BLOCK_M);
-  if (m0 >= q_len) return;  // the whole CTA, before any barrier is used
-  const int kv_start = p.cu_kv[seq];
-  const int kv_len = p.cu_kv[seq + 1] - kv_start;
-  const int n_tiles = (kv_len + BLOCK_N - 1) / BLOCK_N;
-  if (n_tiles == 0) return;  // no keys: nothing defined to write (the host never launches such a batch)
+  {
+    WorkTile tile;
+    if (!tile.start<PERSISTENT>(p)) return;  // the whole CTA, before any barrier is used
+  }
 
   // Read through a shuffle from lane 0, so that the compiler knows it is the same across the warp and keeps
   // what follows from it (the consumer's Q descriptor) in uniform registers, as the tensor-core products take them.
   const int warpgroup = __shfl_sync(0xffffffff, static_cast<int>(threadIdx.x / 128), 0);
   if (threadIdx.x == 0) {
-    mbar_init(&sm.full_q, 1);
+    for (int b = 0; b < QB; ++b) {
+      mbar_init(&sm.full_q[b], 1);
+      mbar_init(&sm.empty_q[b], CONSUMERS * 4);  // one arrival per consumer warp
+    }
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(&sm.full_k[s], 1 + 32);
       mbar_init(&sm.full_v[s], 1);
@@ -914,43 +1046,64 @@ __device__ __forceinline__ void attention(const TensorMap* map_q, const TensorMa
   }
   __syncthreads();
 
-  if (warpgroup == 0) {  // ---- producer: warp 0 streams tiles by TMA, warp 1 stages the keys' scales ----
+  // ---- producer: warp 0 streams tiles by TMA, warp 1 stages the keys' scales. Both count the CTA's KV tiles over
+  // its work tiles (c), so the ring's stages and phases run on from one work tile to the next, and the next tile's
+  // Q and first KV tiles load while the consumers finish the current one ----
+  if (warpgroup == 0) {
     setmaxnreg_dec24();
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    WorkTile tile;  // (found again in each role, as in consume)
     if (warp == 0 && lane == 0) {
-      const int vt_start = 16 * (kv_start / 16 + 2 * seq);  // triton_quant.vt_start
-      mbar_expect_tx(&sm.full_q, CONSUMERS * BLOCK_M * D);
-      tma_load_2d(sm.q, map_q, &sm.full_q, head * D, q_start + m0);
-      for (int n = 0; n < n_tiles; ++n) {
-        const int s = n % STAGES;
-        if (n >= STAGES) mbar_wait(&sm.empty[s], ((n / STAGES) + 1) & 1);
-        mbar_expect_tx(&sm.full_k[s], BLOCK_N * D);
-        tma_load_2d(sm.k[s], map_k, &sm.full_k[s], kv_head * D, kv_start + n * BLOCK_N);
-        mbar_expect_tx(&sm.full_v[s], D * BLOCK_N);
-        tma_load_2d(sm.v[s], map_v, &sm.full_v[s], vt_start + n * BLOCK_N, kv_head * D);
+      tile.start<PERSISTENT>(p);
+      uint32_t base = 0;
+      for (uint32_t it = 0;; ++it) {
+        const int kv_head = tile.head / p.group, n_tiles = tile.n_tiles();
+        const uint32_t qb = it % QB;
+        if (it >= QB) mbar_wait(&sm.empty_q[qb], ((it / QB) + 1) & 1);  // the consumers are done with its Q
+        mbar_expect_tx(&sm.full_q[qb], CONSUMERS * BLOCK_M * D);
+        tma_load_2d(sm.q[qb], map_q, &sm.full_q[qb], tile.head * D, tile.q_start + tile.m0);
+        const int vt_start = 16 * (tile.kv_start / 16 + 2 * tile.seq);  // triton_quant.vt_start
+#pragma unroll 1  // (the producer has 24 registers)
+        for (int n = 0; n < n_tiles; ++n) {
+          const uint32_t c = base + n, s = c % STAGES;
+          if (c >= STAGES) mbar_wait(&sm.empty[s], ((c / STAGES) + 1) & 1);
+          mbar_expect_tx(&sm.full_k[s], BLOCK_N * D);
+          tma_load_2d(sm.k[s], map_k, &sm.full_k[s], kv_head * D, tile.kv_start + n * BLOCK_N);
+          mbar_expect_tx(&sm.full_v[s], D * BLOCK_N);
+          tma_load_2d(sm.v[s], map_v, &sm.full_v[s], vt_start + n * BLOCK_N, kv_head * D);
+        }
+        base += n_tiles;
+        if (!tile.next<PERSISTENT>(p)) break;
       }
     } else if (warp == 1) {
       // Slots as reference.block_ids numbers them. Split per thread, the consumers' read of key 2t (t: the
       // quad lane) gives lane t's scale, which covers all of that thread's keys in the block.
       const int lane_bits = p.k_per_thread ? 2 : 0;
-      const float* k_scale = p.k_scale + kv_head * p.n_k_blocks + (((kv_start >> p.k_shift) + seq) << lane_bits);
-      for (int n = 0; n < n_tiles; ++n) {
-        const int s = n % STAGES;
-        if (n >= STAGES) mbar_wait(&sm.empty[s], ((n / STAGES) + 1) & 1);
+      tile.start<PERSISTENT>(p);
+      uint32_t base = 0;
+      for (;;) {
+        const int kv_head = tile.head / p.group, n_tiles = tile.n_tiles(), kv_len = tile.kv_len;
+        const float* k_scale =
+            p.k_scale + kv_head * p.n_k_blocks + (((tile.kv_start >> p.k_shift) + tile.seq) << lane_bits);
+#pragma unroll 1
+        for (int n = 0; n < n_tiles; ++n) {
+          const uint32_t c = base + n, s = c % STAGES;
+          if (c >= STAGES) mbar_wait(&sm.empty[s], ((c / STAGES) + 1) & 1);
 #pragma unroll
-        for (int i = 0; i < BLOCK_N / 32; ++i) {
-          const int key = min(n * BLOCK_N + lane + 32 * i, kv_len - 1);  // keys past the end are masked anyway
-          const int slot = ((key >> p.k_shift) << lane_bits) + (p.k_per_thread ? (key >> 1) & 3 : 0);
-          sm.k_scale[s][lane + 32 * i] = __ldg(k_scale + slot);
+          for (int i = 0; i < BLOCK_N / 32; ++i) {
+            const int key = min(n * BLOCK_N + lane + 32 * i, kv_len - 1);  // keys past the end are masked anyway
+            const int slot = ((key >> p.k_shift) << lane_bits) + (p.k_per_thread ? (key >> 1) & 3 : 0);
+            sm.k_scale[s][lane + 32 * i] = __ldg(k_scale + slot);
+          }
+          mbar_arrive(&sm.full_k[s]);
         }
-        mbar_arrive(&sm.full_k[s]);
+        base += n_tiles;
+        if (!tile.next<PERSISTENT>(p)) break;
       }
     }
   } else {
-    consume<D, STAGES, G, SKIP, PINGPONG, OVERLAP, OutT>(sm, p, seq, head, kv_head, q_start, q_len, m0, kv_len, n_tiles,
-                                                warpgroup - 1);
+    consume<D, STAGES, QB, G, SKIP, PINGPONG, OVERLAP, PERSISTENT, OutT>(sm, p, warpgroup - 1);
   }
-
 }
 
 }  // namespace sage_sm90
@@ -964,9 +1117,10 @@ __device__ __forceinline__ void attention(const TensorMap* map_q, const TensorMa
       NAME(const __grid_constant__ sage_sm90::TensorMap map_q, const __grid_constant__ sage_sm90::TensorMap map_k, \
            const __grid_constant__ sage_sm90::TensorMap map_v, const sage_sm90::Params params) {                \
     sage_sm90::attention<D, SAGE_SM90_STAGES, sage_sm90::scores_per_k_scale(KB), SKIP, SAGE_SM90_PINGPONG,    \
-                         SAGE_SM90_OVERLAP, OUT>(&map_q, &map_k, &map_v, params);                           \
+                         SAGE_SM90_OVERLAP, SAGE_SM90_PERSISTENT, OUT>(&map_q, &map_k, &map_v, params);     \
   }                                                                                                         \
-  extern "C" __device__ const int SAGE_SM90_CAT(NAME, _smem) = sage_sm90::smem_bytes<D, SAGE_SM90_STAGES>();
+  extern "C" __device__ const int SAGE_SM90_CAT(NAME, _smem) =                                              \
+      sage_sm90::smem_bytes<D, SAGE_SM90_STAGES, SAGE_SM90_PERSISTENT>();
 
 #define SAGE_SM90_OUT_bf16 sage_sm90::Bf16
 #define SAGE_SM90_OUT_fp16 sage_sm90::Fp16
