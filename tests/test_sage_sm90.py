@@ -476,6 +476,8 @@ def test_launch_packs_the_params_and_tensor_maps_the_kernel_reads(monkeypatch, s
     monkeypatch.setattr(sage_sm90, "_kernel", lambda *args: kernels.append(args) or Kernel())
     monkeypatch.setattr(cuda_jit, "current_stream", lambda device: 77)
     monkeypatch.setattr(sage_sm90, "lse_before_smoothing", lambda lse, *args: lse)
+    monkeypatch.setattr(sage_sm90, "_sm_count", lambda index: 132)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     for _ in range(2):
         res = sage_sm90.sage_sm90_attention(q, k, k, layout, softmax_scale=0.125, quant=QuantConfig("int8"),
                                             skip_factor=skip_factor, collect_stats=collect_stats, quantized=st,
@@ -485,14 +487,16 @@ def test_launch_packs_the_params_and_tensor_maps_the_kernel_reads(monkeypatch, s
                        (st.vt.data_ptr(), kv_heads * dim, 352, 352, 128, dim)]
     assert kernels[0] == (q.device, dim, torch.bfloat16, 128, skip_factor is not None, ())
     first, (grid, block, maps, stream, p) = launches  # p: the last call's, whose ``res`` is here
-    assert (grid, block, maps, stream) == ((3, heads, 1), 384, [1001, 1002, 1003], 77) and first[2] == maps
+    # persistent: one CTA per work tile (3 query tiles x 4 heads), fewer than the SMs
+    assert (grid, block, maps, stream) == ((3 * heads, 1, 1), 384, [1001, 1002, 1003], 77) and first[2] == maps
     count = collect_stats and skip_factor is not None
     quant = sage_sm90._route_quant(QuantConfig("int8"))
     assert [getattr(p, f) for f, _ in p._fields_] == [
         res.out.data_ptr(), st.q_scale.data_ptr(), st.k_scale.data_ptr(), st.v_scale.data_ptr(), st.v_mean.data_ptr(),
         layout.cu_seqlens_q.data_ptr(), layout.cu_seqlens_kv.data_ptr(), p.stats if count else res.out.data_ptr(),
         pytest.approx(0.125 * 1.4426950408889634), skip_factor or 0.0, 5, 12, heads * dim, dim, heads, 2,
-        quant.q_block_size.bit_length() - 1, 7, int(count), int(sage_sm90.K_PER_THREAD), res.lse.data_ptr() if return_lse else None]
+        quant.q_block_size.bit_length() - 1, 7, int(count), int(sage_sm90.K_PER_THREAD), res.lse.data_ptr() if return_lse else None,
+        layout.num_seqs]
     if count:
         assert p.stats not in (None, res.out.data_ptr())
     with pytest.raises(ValueError, match="quantized.q must be a contiguous tensor of 1-byte elements"):
