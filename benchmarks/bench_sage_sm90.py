@@ -14,7 +14,7 @@ out) for every build, not only the default, and with ``--alternate-builds`` time
 kernel in alternating rounds: the persistent kernel against one CTA per work tile, for example,
 
     python3 benchmarks/bench_sage_sm90.py --shapes flux_1024,flux_2048=1:16896:24:128,wan_14b_480p \
-        --builds default,non-persistent,persistent-1q --quants k128t-smooth --target-skips "" --kernel-only-builds \
+        --builds default,persistent,persistent-1q --quants k128t-smooth --target-skips "" --kernel-only-builds \
         --alternate-builds --out benchmarks/results/sage_sm90_persistent_h100.json
 
 ``--quants k16,k128-smooth`` runs the kernel's rows per SAGE setting (``QUANTS``: K blocks of 16 or 128 keys,
@@ -68,8 +68,8 @@ BUILDS = {
     "softexp8": ("SAGE_SM90_SOFT_EXP=8",),
     "5stages": ("SAGE_SM90_STAGES=5",),
     "6stages": ("SAGE_SM90_STAGES=6",),
-    "non-persistent": ("SAGE_SM90_PERSISTENT=0",),  # one CTA per work tile: the kernel before issue 57
-    "persistent-1q": ("SAGE_SM90_Q_BUFFERS=1",),  # the persistent kernel with one Q buffer
+    "persistent": ("SAGE_SM90_PERSISTENT=1",),  # one CTA per SM looping over the work tiles (issue 57)
+    "persistent-1q": ("SAGE_SM90_PERSISTENT=1", "SAGE_SM90_Q_BUFFERS=1"),  # the same with one Q buffer
 }
 
 

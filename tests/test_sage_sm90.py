@@ -46,7 +46,7 @@ def test_persistent_default_is_the_sources_and_defines_override_it():
     assert sage_sm90.PERSISTENT == bool(int(default)) == sage_sm90._persistent(())
     assert not sage_sm90._persistent(("SAGE_SM90_STAGES=3", "SAGE_SM90_PERSISTENT=0"))
     assert sage_sm90._persistent(("SAGE_SM90_PERSISTENT=0", "SAGE_SM90_PERSISTENT=1"))
-    assert sage_sm90._persistent(("SAGE_SM90_PERSISTENT",)) and sage_sm90._persistent(("SAGE_SM90_PINGPONG=1",))
+    assert sage_sm90._persistent(("SAGE_SM90_PERSISTENT",)) and not sage_sm90._persistent(("SAGE_SM90_PINGPONG=1",))
 
 
 def test_persistent_grid_is_one_cta_per_sm_up_to_the_work_tiles(monkeypatch):
@@ -394,8 +394,9 @@ def test_kernel_builds_for_sm90a_without_spills_or_serialized_products():
 
 
 @pytest.mark.skipif(cuda_jit.find_nvcc() is None, reason="needs nvcc (ptxas's report)")
-@pytest.mark.parametrize("defines", [("SAGE_SM90_PERSISTENT=0",), ("SAGE_SM90_STAGES=6",),
-                                     ("SAGE_SM90_PERSISTENT=0", "SAGE_SM90_OVERLAP=0"), ("SAGE_SM90_Q_BUFFERS=1",)])
+@pytest.mark.parametrize("defines", [("SAGE_SM90_PERSISTENT=1",), ("SAGE_SM90_PERSISTENT=1", "SAGE_SM90_STAGES=6"),
+                                     ("SAGE_SM90_PERSISTENT=1", "SAGE_SM90_OVERLAP=0"),
+                                     ("SAGE_SM90_PERSISTENT=1", "SAGE_SM90_Q_BUFFERS=1")])
 def test_other_builds_compile_without_spills(defines, tmp_path):
     """Builds beside the default the benchmark times: one CTA per work tile (the kernel before issue 57), six stages
     (one Q buffer: two do not fit beside them), the serial build without persistence, one Q buffer; two entry
@@ -487,8 +488,7 @@ def test_launch_packs_the_params_and_tensor_maps_the_kernel_reads(monkeypatch, s
                        (st.vt.data_ptr(), kv_heads * dim, 352, 352, 128, dim)]
     assert kernels[0] == (q.device, dim, torch.bfloat16, 128, skip_factor is not None, ())
     first, (grid, block, maps, stream, p) = launches  # p: the last call's, whose ``res`` is here
-    # persistent: one CTA per work tile (3 query tiles x 4 heads), fewer than the SMs
-    assert (grid, block, maps, stream) == ((3 * heads, 1, 1), 384, [1001, 1002, 1003], 77) and first[2] == maps
+    assert (grid, block, maps, stream) == ((3, heads, 1), 384, [1001, 1002, 1003], 77) and first[2] == maps
     count = collect_stats and skip_factor is not None
     quant = sage_sm90._route_quant(QuantConfig("int8"))
     assert [getattr(p, f) for f, _ in p._fields_] == [

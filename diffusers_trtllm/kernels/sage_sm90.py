@@ -9,8 +9,9 @@ docs/design.md defines it (int8 Q/K with per-block scales, K blocks of ``K_BLOCK
 ``K_PER_THREAD`` says where the call leaves them to the route, ``smooth_k``, fp8 V per channel less its mean,
 P as ``448 * p`` in fp8), quantized by the ``triton`` route's fused quantizer with V's keys in this kernel's register order.
 Each row's log-sum-exp comes back where a call asks for it (ring attention's KV shards), as the ``triton`` route's.
-The kernel is persistent by default (``SAGE_SM90_PERSISTENT``, issue 57): one CTA per SM (the device's SM count, read
-once) up to the work tiles there are, each CTA looping over tiles of 128 query rows of one sequence and head.
+With ``SAGE_SM90_PERSISTENT=1`` it is persistent (issue 57): one CTA per SM (the device's SM count, read once) up
+to the work tiles there are, each looping over tiles of 128 query rows of one sequence and head; measured 2-4%
+slower than one CTA per tile on an H100, so not the default.
 """
 
 from __future__ import annotations
@@ -54,8 +55,8 @@ K_PER_THREAD = True
 #: Query rows per CTA (two consumer warpgroups) and threads per CTA (with the producer warpgroup).
 _CTA_ROWS, _THREADS = 128, 384
 _SOURCE = "sage_sm90.cu"
-#: ``SAGE_SM90_PERSISTENT``'s default in the source: one CTA per SM looping over the work tiles (issue 57).
-PERSISTENT = True
+#: ``SAGE_SM90_PERSISTENT``'s default in the source: one CTA per work tile (the persistent build measured slower).
+PERSISTENT = False
 _OUT_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 

@@ -18,8 +18,11 @@
 // share K and V in L2). The K/V ring's stages and phases count the CTA's KV tiles across its work tiles, and Q has
 // two buffers (one where two do not fit beside the stages) with a full and an empty barrier each: the consumers
 // hand Q back after a tile's last Q.K^T, so the next tile's Q and first KV tiles load while they finish the last
-// P.V and store the output. One CTA per work tile (0) paid that prologue and epilogue with the SM otherwise idle,
-// about 6 of Flux 1024 x 1024's 36 KV tiles a CTA.
+// P.V and store the output. One CTA per work tile (0) pays that prologue and epilogue with the SM otherwise idle,
+// about 6 of Flux 1024 x 1024's 36 KV tiles a CTA, yet measured faster on an H100 (kernel alone 0.422 / 3.892 /
+// 24.46 ms against 0.429 / 3.984 / 25.36 at 4,608 / 16,896 / 32,760 tokens: the static order's last round and
+// the longer loop cost more than the hidden prologue saves; benchmarks/results/sage_sm90_persistent_h100.md),
+// so it stays the default.
 //
 // Per KV tile a consumer: S = Q K^T (wgmma int8 -> int32); the row max over integers within each group of
 // scores sharing a K scale, scaled once per group; the skip vote (one warpgroup-wide OR); p = 448 * 2^x
@@ -61,7 +64,7 @@
 #define SAGE_SM90_OVERLAP 1
 #endif
 #ifndef SAGE_SM90_PERSISTENT  // one CTA per SM looping over the work tiles (1); 0: one CTA per work tile
-#define SAGE_SM90_PERSISTENT 1
+#define SAGE_SM90_PERSISTENT 0
 #endif
 #ifndef SAGE_SM90_Q_BUFFERS  // Q buffers of the persistent kernel, at most (2: the next tile's Q loads early)
 #define SAGE_SM90_Q_BUFFERS 2
