@@ -63,3 +63,13 @@ def test_regional_compile_one_graph_per_block_class(family, block_classes):
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] == block_classes, dict(counters["stats"])
     assert [r["mode"] for r in proc.step_table()] == ["dense", "sparse", "sparse"]
+
+
+def test_cuda_graph_capture_is_refused_in_one_line(monkeypatch):
+    """Inside a CUDA graph capture (``mode="reduce-overhead"``) the op refuses, naming the compile modes that work,
+    before it looks up its layer."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    q = torch.zeros(1, 4, 2, 8)
+    with pytest.raises(RuntimeError, match=r"cannot run inside a CUDA graph .*max-autotune-no-cudagraphs"):
+        torch.ops.diffusers_trtllm.attention(q, q, q, None, None, None, torch.tensor(-1), None, 4, -1, False)
