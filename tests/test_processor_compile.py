@@ -73,3 +73,30 @@ def test_cuda_graph_capture_is_refused_in_one_line(monkeypatch):
     q = torch.zeros(1, 4, 2, 8)
     with pytest.raises(RuntimeError, match=r"cannot run inside a CUDA graph .*max-autotune-no-cudagraphs"):
         torch.ops.diffusers_trtllm.attention(q, q, q, None, None, None, torch.tensor(-1), None, 4, -1, False)
+
+
+def test_regional_compile_binds_a_reinstalled_processor_once(monkeypatch):
+    """A processor put back on a model (its layers bound again at the first forward, Diffusers' setters no longer
+    wrapped once no layer of ours was left) under compile_repeated_blocks: the compiled blocks see the binding and
+    do not bind again every forward (they did, recompiling up to Dynamo's limit: Flux.1-dev on an H100, issue 57)."""
+    from diffusers_trtllm.serving.processor import TrtllmAttnProcessor as Proc
+
+    model, inputs = tiny_models.build("flux")
+    stock = dict(model.attn_processors)
+    proc = TrtllmAttnProcessor(backend="reference")
+    binds = []
+    bind = Proc._bind
+    monkeypatch.setattr(Proc, "_bind", lambda self, module, *a, **k: binds.append(module) or bind(self, module, *a, **k))
+    torch._dynamo.reset()
+    with torch.no_grad():
+        model.set_attn_processor(proc)
+        eager = model(**inputs)[0]
+        model.set_attn_processor(dict(stock))
+        model.compile_repeated_blocks(backend="eager")
+        model(**inputs)
+        model.set_attn_processor(proc)
+        binds.clear()
+        outs = [model(**inputs)[0] for _ in range(3)]
+    assert len(binds) <= len(stock), len(binds)  # once per attention module at most, at the first forward
+    for out in outs:
+        torch.testing.assert_close(out, eager)

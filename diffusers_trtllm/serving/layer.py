@@ -38,8 +38,10 @@ LAYER_ATTR = "_trtllm_layer"
 
 
 def layer_of(module: torch.nn.Module) -> "LayerState | None":
-    """The state our processor keeps on ``module``, or None when none of ours serves it."""
-    return module.__dict__.get(LAYER_ATTR)
+    """The state our processor keeps on ``module``, or None when none of ours serves it. An attribute lookup, which
+    Dynamo guards (a read of ``module.__dict__`` it did not: blocks compiled before the layer was bound bound it
+    again on every forward)."""
+    return getattr(module, LAYER_ATTR, None)
 
 
 #: Counts the changes that can change a layer's ``needs_calibration`` (a state put on or taken off a module, a
