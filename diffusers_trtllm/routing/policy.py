@@ -40,13 +40,12 @@ SHORT_KV = TEXT_KV
 SAGE_MIN_KV_SM90 = 16384
 
 #: On SM90, int8 SAGE pays from this KV length on the project's CUDA kernel (``sage-sm90``, which ``auto``
-#: ranks first for int8): whole calls on an H100 (issue 57, benchmarks/results/profile_call_h100_run1.md, keys
-#: with a per-channel mean) 1.295x cuDNN at Flux 2048² (16,896 keys, 24 heads) against fa3 dense's 0.99-1.07x,
-#: and 0.652x at flux_1024 (4,608 keys) against fa3's 0.98x, where the kernel alone (372 us) barely beats cuDNN's
-#: (400 us) and the quantizer and launches cost more than it saves; on the H200 1.447x / 1.531x at Wan-14B 480p /
-#: 720p (32,760 / 75,600 keys; benchmarks/results/sage_sm90_sweep_h200_quantizer.md). No length between 4,608 and
-#: 16,896 was measured, so it runs from the shortest one where it measured faster.
-SAGE_INT8_MIN_KV_SM90 = 16896
+#: ranks first for int8). Whole calls on one H100, 24 heads of 128, keys with a per-channel mean, int8 against
+#: fa3 dense (issue 57, benchmarks/results/profile_call_h100_run4.md): 4,608 keys 0.639x / 0.972x cuDNN,
+#: 8,704 keys 1.017x / 1.002x (a tie; served 0.969x / 1.049x), 12,800 keys 1.152x / 1.050x, 16,896 keys
+#: 1.262x / 0.971x; Wan-14B 480p (32,760 keys) 1.482x / 1.149x. So it runs from 12,800, the shortest length
+#: where it measured faster; the crossover lies between 8,704 and 12,800 (not measured on an H200).
+SAGE_INT8_MIN_KV_SM90 = 12800
 
 #: Where sage-sm90 cannot serve the call (no nvcc, a backend that names another route), int8 SAGE runs on
 #: the Triton kernel, slower than fa3 dense at Wan 480p: 1.09x cuDNN against fa3's 1.12x (32,760 keys),
