@@ -16,10 +16,10 @@ import io
 import json
 import pstats
 import sys
-import time
 from pathlib import Path
 
 import torch
+from profile_call import host_times
 
 from diffusers_trtllm import attention
 from diffusers_trtllm.bench.inputs import parse_shapes, structured_qkv
@@ -30,15 +30,7 @@ from diffusers_trtllm.layout import PackedLayout
 
 def cpu_us(fn, calls: int) -> float:
     """CPU microseconds per call of ``fn``, issued behind a GPU sleep long enough that nothing waits."""
-    fn()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(int(2e9))
-    start = time.thread_time()
-    for _ in range(calls):
-        fn()
-    spent = time.thread_time() - start
-    torch.cuda.synchronize()
-    return spent / calls * 1e6
+    return host_times(fn, calls, sleep_cycles=int(2e9))[1]
 
 
 def slow_launches(fn, calls: int) -> int:

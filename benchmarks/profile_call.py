@@ -100,10 +100,13 @@ def _stub_routes():
     return undo
 
 
-def host_times(fn, calls: int = 30) -> tuple[float, float]:
-    """Wall and CPU (thread) microseconds to issue one call, the GPU running behind."""
+def host_times(fn, calls: int = 30, sleep_cycles: int = 0) -> tuple[float, float]:
+    """Wall and CPU (thread) microseconds to issue one call, the GPU running behind (``sleep_cycles``: behind a GPU
+    sleep first, so that no launch waits for the GPU)."""
     fn()
     torch.cuda.synchronize()
+    if sleep_cycles:
+        torch.cuda._sleep(sleep_cycles)
     wall, cpu = time.perf_counter(), time.thread_time()
     for _ in range(calls):
         fn()
