@@ -146,7 +146,7 @@ def _check_quantize_many_spans_twice():
         runs = [triton_quant.sage_quantize_triton(q, k, v, layout, quant) for _ in range(2)]
     finally:
         triton_quant.V_STATS_ROWS = saved
-    assert not triton_quant._TICKETS[q.device].any()
+    assert not any(t.any() for t in triton_quant._TICKETS.values())
     q_used = block_ids(layout.cu_seqlens_q, layout.q_lens, 1)[0].unique()  # (the other scale slots are unwritten)
     k_used = block_ids(layout.cu_seqlens_kv, layout.kv_lens, 16)[0].unique()
     for st in runs:

@@ -435,17 +435,21 @@ class KVStats:
     v_scale: torch.Tensor
 
 
-#: Per device, one counter per kv head of the statistics spans that have stored their partials, 0 between calls
-#: (the program that folds a head's spans resets its counter): allocated once, again only for more kv heads.
-#: Calls share them, so two must not run at once on two streams of one device (each runs on the current stream).
-_TICKETS: dict[torch.device, torch.Tensor] = {}
+#: Per device and stream, one counter per kv head of the statistics spans that have stored their partials, 0
+#: between calls (the program that folds a head's spans resets its counter): allocated once, again only for more
+#: kv heads. Calls on one stream run one after another; calls on two streams (two threads serving one GPU) each
+#: have their own, or their tickets would mix.
+_TICKETS: dict[tuple[torch.device, int], torch.Tensor] = {}
 _MIN_TICKETS = 256
 
 
 def _tickets(device: torch.device, kv_heads: int) -> torch.Tensor:
-    tickets = _TICKETS.get(device)
+    stream = 0
+    if device.type == "cuda":  # the raw handle of torch's current stream, in one C call
+        stream = torch._C._cuda_getCurrentRawStream(device.index if device.index is not None else torch.cuda.current_device())
+    tickets = _TICKETS.get((device, stream))
     if tickets is None or len(tickets) < kv_heads:
-        tickets = _TICKETS[device] = torch.zeros(max(kv_heads, _MIN_TICKETS), dtype=torch.int32, device=device)
+        tickets = _TICKETS[device, stream] = torch.zeros(max(kv_heads, _MIN_TICKETS), dtype=torch.int32, device=device)
     return tickets
 
 
