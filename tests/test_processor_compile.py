@@ -86,7 +86,8 @@ def test_regional_compile_binds_a_reinstalled_processor_once(monkeypatch):
     proc = TrtllmAttnProcessor(backend="reference")
     binds = []
     bind = Proc._bind
-    monkeypatch.setattr(Proc, "_bind", lambda self, module, *a, **k: binds.append(module) or bind(self, module, *a, **k))
+    monkeypatch.setattr(Proc, "_bind",
+                        lambda self, module, *a, **k: binds.append(module) or bind(self, module, *a, **k))
     torch._dynamo.reset()
     with torch.no_grad():
         model.set_attn_processor(proc)

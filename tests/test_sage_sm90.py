@@ -398,14 +398,15 @@ def test_kernel_builds_for_sm90a_without_spills_or_serialized_products():
                                      ("SAGE_SM90_PERSISTENT=1", "SAGE_SM90_OVERLAP=0"),
                                      ("SAGE_SM90_PERSISTENT=1", "SAGE_SM90_Q_BUFFERS=1")])
 def test_other_builds_compile_without_spills(defines, tmp_path):
-    """Builds beside the default the benchmark times: one CTA per work tile (the kernel before issue 57), six stages
-    (one Q buffer: two do not fit beside them), the serial build without persistence, one Q buffer; two entry
-    points each (the route's and a head dim 64 one), no local memory and no serialized products."""
+    """Builds beside the default the benchmark times: the persistent kernel alone, with six stages (one Q buffer:
+    two do not fit beside them), with the serial build (no softmax overlap) and with one Q buffer; two entry points
+    each (the route's and a head dim 64 one), no local memory and no serialized products."""
     nvcc = cuda_jit.find_nvcc()
     for variant in (sage_sm90.Variant(128, torch.bfloat16, 128, True), sage_sm90.Variant(64, torch.float16, 16, False)):
         flags = [f"-D{d}" for d in (*variant.defines, *defines)]
-        res = subprocess.run([nvcc, "-cubin", "-gencode=arch=compute_90a,code=sm_90a", "-O3", "-std=c++17", "-Xptxas=-v",
-                              *flags, "-o", str(tmp_path / "k.cubin"), str(SOURCE)], capture_output=True, text=True)
+        res = subprocess.run([nvcc, "-cubin", "-gencode=arch=compute_90a,code=sm_90a", "-O3", "-std=c++17",
+                              "-Xptxas=-v", *flags, "-o", str(tmp_path / "k.cubin"), str(SOURCE)],
+                             capture_output=True, text=True)
         assert res.returncode == 0, res.stderr[-3000:]
         assert "Potential Performance Loss" not in res.stderr
         assert re.search(r"\b0 bytes stack frame", res.stderr), res.stderr[-2000:]
@@ -454,7 +455,8 @@ def test_launch_packs_the_params_and_tensor_maps_the_kernel_reads(monkeypatch, s
     q = torch.zeros(tokens, heads, dim, dtype=torch.bfloat16)
     k = torch.zeros(tokens, kv_heads, dim, dtype=torch.bfloat16)
     f32 = dict(dtype=torch.float32)
-    st = TritonSage(q=torch.zeros(tokens, heads, dim, dtype=torch.int8), k=torch.zeros(tokens, kv_heads, dim, dtype=torch.int8),
+    st = TritonSage(q=torch.zeros(tokens, heads, dim, dtype=torch.int8),
+                    k=torch.zeros(tokens, kv_heads, dim, dtype=torch.int8),
                     vt=torch.zeros(kv_heads * dim, 352, dtype=torch.uint8), q_scale=torch.zeros(heads, 5, **f32),
                     k_scale=torch.zeros(kv_heads, 12, **f32), v_scale=torch.zeros(kv_heads, dim, **f32),
                     v_mean=torch.zeros(kv_heads, dim, **f32), mma_key_order=True, k_mean=None)
@@ -467,7 +469,8 @@ def test_launch_packs_the_params_and_tensor_maps_the_kernel_reads(monkeypatch, s
 
     class Kernel:
         def launch(self, grid, block, arguments, stream):
-            params = sage_sm90._Params.from_buffer_copy(ctypes.string_at(arguments[3], ctypes.sizeof(sage_sm90._Params)))
+            size = ctypes.sizeof(sage_sm90._Params)
+            params = sage_sm90._Params.from_buffer_copy(ctypes.string_at(arguments[3], size))
             launches.append((grid, block, list(arguments[:3]), stream, params))
 
     kernels = []
@@ -495,10 +498,47 @@ def test_launch_packs_the_params_and_tensor_maps_the_kernel_reads(monkeypatch, s
         res.out.data_ptr(), st.q_scale.data_ptr(), st.k_scale.data_ptr(), st.v_scale.data_ptr(), st.v_mean.data_ptr(),
         layout.cu_seqlens_q.data_ptr(), layout.cu_seqlens_kv.data_ptr(), p.stats if count else res.out.data_ptr(),
         pytest.approx(0.125 * 1.4426950408889634), skip_factor or 0.0, 5, 12, heads * dim, dim, heads, 2,
-        quant.q_block_size.bit_length() - 1, 7, int(count), int(sage_sm90.K_PER_THREAD), res.lse.data_ptr() if return_lse else None,
+        quant.q_block_size.bit_length() - 1, 7, int(count), int(sage_sm90.K_PER_THREAD),
+        res.lse.data_ptr() if return_lse else None,
         layout.num_seqs]
     if count:
         assert p.stats not in (None, res.out.data_ptr())
     with pytest.raises(ValueError, match="quantized.q must be a contiguous tensor of 1-byte elements"):
         sage_sm90.sage_sm90_attention(q, k, k, layout, softmax_scale=0.125, quant=QuantConfig("int8"),
                                       quantized=replace(st, q=st.q.transpose(0, 1)))
+
+
+def test_launch_holds_its_tensor_maps_while_the_cache_evicts(monkeypatch):
+    """A call whose Q map is the cache's oldest entry and whose K and V maps are new, with the cache full: encoding
+    K's map evicts Q's, which must stay alive (its descriptor's memory unfreed) until the kernel is launched."""
+    import weakref
+
+    from diffusers_trtllm.kernels.triton_quant import TritonSage
+
+    tokens, heads, kv_heads, dim = 256, 2, 2, 64
+    layout = PackedLayout.dense(1, tokens, tokens, "cpu")
+    q = torch.zeros(tokens, heads, dim, dtype=torch.bfloat16)
+    i8, f32 = dict(dtype=torch.int8), dict(dtype=torch.float32)
+    st = TritonSage(q=torch.zeros(tokens, heads, dim, **i8), k=torch.zeros(tokens, kv_heads, dim, **i8),
+                    vt=torch.zeros(kv_heads * dim, 304, dtype=torch.uint8), q_scale=torch.zeros(heads, 4, **f32),
+                    k_scale=torch.zeros(kv_heads, 16, **f32), v_scale=torch.zeros(kv_heads, dim, **f32),
+                    v_mean=torch.zeros(kv_heads, dim, **f32), mma_key_order=True, k_mean=None)
+    maps = {}
+    alive = []
+
+    class Kernel:
+        def launch(self, grid, block, arguments, stream):
+            alive.append(maps["q"]() is not None and maps["q"]().address == arguments[0])
+
+    monkeypatch.setattr(cuda_jit.TensorMap, "bytes_2d", classmethod(lambda cls, *key: cls()))
+    monkeypatch.setattr(cuda_jit, "_TENSOR_MAPS", {})
+    monkeypatch.setattr(sage_sm90, "_check_call", lambda q, k, quant: None)
+    monkeypatch.setattr(sage_sm90, "_kernel", lambda *args: Kernel())
+    monkeypatch.setattr(cuda_jit, "current_stream", lambda device: 0)
+    cuda_jit.TensorMap.cached_bytes_2d(st.q.data_ptr(), tokens, heads * dim, heads * dim, dim, 128)
+    maps["q"] = weakref.ref(next(iter(cuda_jit._TENSOR_MAPS.values())))
+    for i in range(cuda_jit._TENSOR_MAPS_MAX - 1):
+        cuda_jit._TENSOR_MAPS["filler", i] = cuda_jit.TensorMap()
+    sage_sm90.sage_sm90_attention(q, q, q, layout, softmax_scale=0.125, quant=QuantConfig("int8"), quantized=st)
+    assert alive == [True]
+    assert maps["q"]() is None  # evicted, and freed once the call was done

@@ -24,8 +24,10 @@ pytestmark = [pytest.mark.gpu, requires_cuda]
 BUILDS = {"default": (), "pingpong": ("SAGE_SM90_PINGPONG=1",), "two_stages": ("SAGE_SM90_STAGES=2",),
           "serial": ("SAGE_SM90_OVERLAP=0",), "fp32_poly": ("SAGE_SM90_HALF_POLY=0",),
           "serial_fp32_poly": ("SAGE_SM90_OVERLAP=0", "SAGE_SM90_HALF_POLY=0"),
-          # The persistent kernel (issue 57; not the default, measured slower), with two Q buffers or one.
-          "persistent": ("SAGE_SM90_PERSISTENT=1",), "one_q_buffer": ("SAGE_SM90_PERSISTENT=1", "SAGE_SM90_Q_BUFFERS=1"),
+          # The persistent kernel (issue 57; not the default, measured slower), with two Q buffers or one, and with
+          # six stages.
+          "persistent": ("SAGE_SM90_PERSISTENT=1",),
+          "one_q_buffer": ("SAGE_SM90_PERSISTENT=1", "SAGE_SM90_Q_BUFFERS=1"),
           "six_stages": ("SAGE_SM90_PERSISTENT=1", "SAGE_SM90_STAGES=6")}  # (one Q buffer: two do not fit beside six)
 
 
@@ -308,8 +310,8 @@ def _check_lse(res, ref, q, k, v, layout, factor) -> None:
 
 
 @pytest.mark.parametrize("skip", [None, 0.02])
-@pytest.mark.parametrize("dim,kv_heads,blocks", [(128, 2, (1, 128, True)), (64, 2, (1, 16, False)), (128, 8, (4, 4, False)),
-                                                 (64, 8, (1, 1, False))])
+@pytest.mark.parametrize("dim,kv_heads,blocks", [(128, 2, (1, 128, True)), (64, 2, (1, 16, False)),
+                                                 (128, 8, (4, 4, False)), (64, 8, (1, 1, False))])
 @pytest.mark.parametrize("lens", list(RAGGED_EDGES))
 def test_ragged_batches_with_empty_and_one_token_sequences(lens, dim, kv_heads, blocks, skip):
     """Sequences without queries (with or without keys) have no work tiles and one-token sequences one each, in

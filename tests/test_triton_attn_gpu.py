@@ -114,7 +114,6 @@ def test_sage_quantization_matches_reference(dtype_qk, blocks, launches, dim, kv
             assert gap.numel() == 0 or (gap <= step).all(), f"{name}: a value moved by more than one step"
 
 
-
 @pytest.mark.parametrize("span_rows", [512, 48])
 def test_quantizer_statistics_repeat_bit_for_bit(span_rows, monkeypatch):
     """K and V's statistics, each head folded by whichever of its spans finishes last (92 of them with spans of
@@ -160,6 +159,7 @@ def test_quantizer_on_two_streams_at_once_keeps_its_statistics_apart(monkeypatch
     for st in runs:
         assert torch.equal(st.v_mean, alone.v_mean) and torch.equal(st.k_mean, alone.k_mean)
         assert torch.equal(st.vt.view(torch.uint8), alone.vt.view(torch.uint8))
+
 
 @pytest.mark.parametrize("dtype_qk", [None, "int8", "fp8_e4m3"])
 @pytest.mark.parametrize("skip", [None, 0.02])

@@ -332,7 +332,7 @@ def _make_context_current(device: torch.device) -> None:
 
 
 class TensorMap:
-    """A TMA descriptor (the driver's 128-byte, 64-byte aligned ``CUtensorMap``) of a 2-D byte tensor,
+    """A TMA descriptor (the driver's 128-byte, 64-byte aligned ``CUtensorMap``) of a 2-D array of bytes,
     for a kernel parameter passed by value."""
 
     def __init__(self) -> None:

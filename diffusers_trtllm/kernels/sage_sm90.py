@@ -261,12 +261,14 @@ def sage_sm90_attention(
     stats = torch.zeros(1, dtype=torch.int32, device=device) if count else out
     lse = torch.empty(tokens_q, heads, dtype=torch.float32, device=device) if return_lse else None
     # The quantized Q, K ([tokens, heads * dim] bytes) and V^T ([kv_heads * dim, padded tokens] bytes), contiguous.
+    # The maps are held until the launch: encoding one may evict another from the cache, freeing its descriptor.
     tensor_map = cuda_jit.TensorMap.cached_bytes_2d
-    arguments = _ARGUMENTS.addresses
-    arguments[0] = tensor_map(st.q.data_ptr(), tokens_q, heads * dim, heads * dim, dim, _CTA_ROWS).address
-    arguments[1] = tensor_map(st.k.data_ptr(), tokens_kv, kv_heads * dim, kv_heads * dim, dim, BLOCK_N).address
     vt_rows, vt_cols = st.vt.shape
-    arguments[2] = tensor_map(st.vt.data_ptr(), vt_rows, vt_cols, vt_cols, BLOCK_N, dim).address
+    maps = (tensor_map(st.q.data_ptr(), tokens_q, heads * dim, heads * dim, dim, _CTA_ROWS),
+            tensor_map(st.k.data_ptr(), tokens_kv, kv_heads * dim, kv_heads * dim, dim, BLOCK_N),
+            tensor_map(st.vt.data_ptr(), vt_rows, vt_cols, vt_cols, BLOCK_N, dim))
+    arguments = _ARGUMENTS.addresses
+    arguments[0], arguments[1], arguments[2] = maps[0].address, maps[1].address, maps[2].address
     _PARAMS.pack_into(
         _ARGUMENTS.params, 0,
         out.data_ptr(), st.q_scale.data_ptr(), st.k_scale.data_ptr(), st.v_scale.data_ptr(), st.v_mean.data_ptr(),

@@ -444,12 +444,15 @@ _MIN_TICKETS = 256
 
 
 def _tickets(device: torch.device, kv_heads: int) -> torch.Tensor:
+    """The span counters of ``device`` and torch's current stream there, for at least ``kv_heads`` heads."""
     stream = 0
     if device.type == "cuda":  # the raw handle of torch's current stream, in one C call
-        stream = torch._C._cuda_getCurrentRawStream(device.index if device.index is not None else torch.cuda.current_device())
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        stream = torch._C._cuda_getCurrentRawStream(index)
     tickets = _TICKETS.get((device, stream))
     if tickets is None or len(tickets) < kv_heads:
-        tickets = _TICKETS[device, stream] = torch.zeros(max(kv_heads, _MIN_TICKETS), dtype=torch.int32, device=device)
+        size = max(kv_heads, _MIN_TICKETS)
+        tickets = _TICKETS[device, stream] = torch.zeros(size, dtype=torch.int32, device=device)
     return tickets
 
 
@@ -466,12 +469,14 @@ def kv_stats(k: torch.Tensor, v: torch.Tensor, smooth_k: bool) -> KVStats:
     tokens, kv_heads, dim = v.shape
     spans = triton.cdiv(tokens, V_STATS_ROWS)
     stats = torch.empty((5 + 4 * spans) * kv_heads * dim, dtype=torch.float32, device=v.device)
-    launch(_q_and_stats_kernel, (spans * kv_heads,),  # no Q: K's pointers and zeros in its place, unread
+    launch(
+        _q_and_stats_kernel, (spans * kv_heads,),  # no Q: K's pointers and zeros in its place, unread
         k, k, v, k, stats, stats, _tickets(v.device, kv_heads), stats, 0, 1, 1, tokens, V_STATS_ROWS, spans,
         max(1, tokens // KEY_MEAN_SAMPLE), 0, 0, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         H=kv_heads, HKV=kv_heads, D=dim, BLOCK_T=QUANT_BLOCK_T, Q_BS=1, QMAX=127, IS_INT8=True, NATIVE=False,
         SMOOTH_K=smooth_k, STATS_BLOCK_T=V_STATS_BLOCK_T, STATS_STAGES=V_STATS_STAGES, DO_Q=False,
-        num_warps=QUANT_WARPS)
+        num_warps=QUANT_WARPS,
+    )
     k_mean, v_mean, v_min, v_max, v_scale = stats[:5 * kv_heads * dim].view(5, kv_heads, dim).unbind(0)
     return KVStats(k_mean if smooth_k else None, v_mean, v_min, v_max, v_scale)
 

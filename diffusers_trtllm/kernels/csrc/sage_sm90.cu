@@ -45,8 +45,8 @@
 // groups, softmax of tile n + 1 beside the latter; 0: both in one group, waited for together) and
 // SAGE_SM90_HALF_POLY (the FMA-pipe exponentials two at a time in half precision, exp2_e4m3x2; 0: one at a
 // time in fp32), SAGE_SM90_PERSISTENT and SAGE_SM90_Q_BUFFERS (the persistent kernel's Q buffers, at most). The
-// defaults are the fastest measured (benchmarks/results/sage_sm90_sweep_h200.md; the persistent kernel's default
-// awaits its H100 timing).
+// defaults are the fastest measured (benchmarks/results/sage_sm90_sweep_h200.md; SAGE_SM90_PERSISTENT's: above).
+// SAGE_SM90_Q_BUFFERS's default, two, was not timed against one.
 
 #ifndef SAGE_SM90_SOFT_EXP  // of each row's 16 score chunks, how many take exp2_poly (fast path)
 #define SAGE_SM90_SOFT_EXP 4
