@@ -438,7 +438,7 @@ class KVStats:
 #: Per device and stream, one counter per kv head of the statistics spans that have stored their partials, 0
 #: between calls (the program that folds a head's spans resets its counter): allocated once, again only for more
 #: kv heads. Calls on one stream run one after another; calls on two streams (two threads serving one GPU) each
-#: have their own, or their tickets would mix.
+#: have their own, or their tickets would mix (torch draws streams from a fixed pool per device, so few are kept).
 _TICKETS: dict[tuple[torch.device, int], torch.Tensor] = {}
 _MIN_TICKETS = 256
 
