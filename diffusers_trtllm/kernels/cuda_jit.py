@@ -365,9 +365,10 @@ class TensorMap:
         found = _TENSOR_MAPS.get(key)
         if found is None:
             found = cls.bytes_2d(*key)
-            if len(_TENSOR_MAPS) >= _TENSOR_MAPS_MAX:
-                _TENSOR_MAPS.pop(next(iter(_TENSOR_MAPS)))
-            _TENSOR_MAPS[key] = found
+            with _lock:  # (a hit reads without it: one dict lookup is atomic)
+                if len(_TENSOR_MAPS) >= _TENSOR_MAPS_MAX:
+                    _TENSOR_MAPS.pop(next(iter(_TENSOR_MAPS)), None)
+                _TENSOR_MAPS[key] = found
         return found
 
 
