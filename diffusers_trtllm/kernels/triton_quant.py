@@ -52,6 +52,7 @@ import triton.language as tl
 
 from ..config import DEFAULT_K_BLOCK, QuantConfig
 from ..layout import PackedLayout
+from . import cuda_jit
 from .reference import AMAX_FLOOR, FP8_MAX, KEY_MEAN_SAMPLE, block_ids, scale_slots
 from .triton_launch import launch
 
@@ -444,11 +445,9 @@ _MIN_TICKETS = 256
 
 
 def _tickets(device: torch.device, kv_heads: int) -> torch.Tensor:
-    """The span counters of ``device`` and torch's current stream there, for at least ``kv_heads`` heads."""
-    stream = 0
-    if device.type == "cuda":  # the raw handle of torch's current stream, in one C call
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        stream = torch._C._cuda_getCurrentRawStream(index)
+    """The span counters of ``device`` (a tensor's: its index is set) and torch's current stream there, for at
+    least ``kv_heads`` heads."""
+    stream = cuda_jit.current_stream(device) if device.type == "cuda" else 0
     tickets = _TICKETS.get((device, stream))
     if tickets is None or len(tickets) < kv_heads:
         size = max(kv_heads, _MIN_TICKETS)
