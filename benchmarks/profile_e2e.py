@@ -30,7 +30,8 @@ def kernel_times(bench: _ModelBench) -> tuple[float, dict[str, tuple[int, float]
     """One profiled forward: its wall time (ms, CUDA events) and kernel name -> (launches, total ms)."""
     from torch.profiler import ProfilerActivity, profile
 
-    bench.forward()  # warm-up: kernels built, caches filled
+    bench.forward()  # warm-up: kernels built (and graphs compiled), caches filled
+    bench.forward()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -53,14 +54,20 @@ def main() -> None:
     p.add_argument("--configs", default="stock,sage-int8,sage-int8+skip")
     p.add_argument("--threshold", type=float, default=0.04, help="skip-softmax threshold of the +skip settings")
     p.add_argument("--weights", default="structured", choices=("random", "structured"))
+    p.add_argument("--compile", default="off", choices=("off", "regional", "full"),
+                   help="profile the forward compiled this way (stock compiled the same way)")
+    p.add_argument("--backend", default="auto", help="the processor's backend (e.g. sdpa: our processor on cuDNN)")
     p.add_argument("--top", type=int, default=14, help="kernels listed per setting")
     p.add_argument("--out", type=Path, default=None, help="JSON of every kernel's launches and time per setting")
     args = p.parse_args()
 
     spec = MODELS[args.model]
-    opts = E2EOptions(models=(args.model,), configs=tuple(args.configs.split(",")), weights=(args.weights,))
+    opts = E2EOptions(models=(args.model,), configs=tuple(args.configs.split(",")), weights=(args.weights,),
+                      compile=args.compile, backend=args.backend)
     result = ModelResult(args.model, spec.describe(), contrast=spec.contrast)
     bench = _ModelBench(spec, opts, result, [])
+    if args.compile != "off":
+        bench.compile()
     structure = (local_attention(bench.model, spec.contrast, seed=0) if args.weights == "structured"
                  else contextlib.nullcontext())
     report: dict[str, dict] = {}

@@ -68,11 +68,38 @@ def test_regional_compile_one_graph_per_block_class(family, block_classes):
 def test_cuda_graph_capture_is_refused_in_one_line(monkeypatch):
     """Inside a CUDA graph capture (``mode="reduce-overhead"``) the op refuses, naming the compile modes that work,
     before it looks up its layer."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    from diffusers_trtllm.serving import intercept
+
+    monkeypatch.setattr(intercept, "_capturing", lambda device: True)
     q = torch.zeros(1, 4, 2, 8)
     with pytest.raises(RuntimeError, match=r"cannot run inside a CUDA graph .*max-autotune-no-cudagraphs"):
         torch.ops.diffusers_trtllm.attention(q, q, q, None, None, None, torch.tensor(-1), None, 4, -1, False)
+
+
+def test_capture_is_looked_for_on_the_querys_gpu(monkeypatch):
+    """torch says whether the current device's stream captures: a query on another GPU is asked about on its own
+    (a capture there was not refused); CPU tensors are never captured."""
+    from diffusers_trtllm.serving import intercept
+
+    entered = []
+
+    class _Device:
+        def __init__(self, device):
+            self.device = device
+
+        def __enter__(self):
+            entered.append(self.device)
+
+        def __exit__(self, *exc):
+            entered.append(None)
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device", _Device)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: bool(entered) and entered[-1] is not None)
+    assert not intercept._capturing(torch.device("cpu"))
+    assert not intercept._capturing(torch.device("cuda", 0)) and not entered
+    assert intercept._capturing(torch.device("cuda", 1))
+    assert entered == [torch.device("cuda", 1), None]
 
 
 def test_regional_compile_binds_a_reinstalled_processor_once(monkeypatch):

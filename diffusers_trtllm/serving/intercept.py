@@ -93,11 +93,22 @@ def _layer(layer_key: torch.Tensor) -> Any:
     return state
 
 
-def _refuse_graph_capture() -> None:
-    """Refuse to run inside a CUDA graph capture (``torch.compile(mode="reduce-overhead")``) in one line: captured
-    on an H100 (issue 57), a served call failed in torch's "Cannot copy between CPU and CUDA tensors during CUDA
-    graph capture" (a host-to-device copy not yet found), with both the default and the int8 route."""
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+def _capturing(device: torch.device) -> bool:
+    """Whether ``device``'s current stream is capturing a CUDA graph (torch asks the current device's)."""
+    if device.type != "cuda":
+        return False
+    if device.index is None or device.index == torch.cuda.current_device():
+        return torch.cuda.is_current_stream_capturing()
+    with torch.cuda.device(device):
+        return torch.cuda.is_current_stream_capturing()
+
+
+def _refuse_graph_capture(query: torch.Tensor) -> None:
+    """Refuse to run inside a CUDA graph capture (``torch.compile(mode="reduce-overhead")``) on the query's GPU, in
+    one line: captured on an H100 (issue 57), a served call failed in torch's "Cannot copy between CPU and CUDA
+    tensors during CUDA graph capture" (a host-to-device copy not yet found), with both the default and the int8
+    route."""
+    if _capturing(query.device):
         raise RuntimeError(
             "diffusers_trtllm: our attention cannot run inside a CUDA graph (torch.compile(mode='reduce-overhead') "
             "or torch.cuda.graph); compile with mode='max-autotune-no-cudagraphs' or "
@@ -124,7 +135,7 @@ def _attention_op(
     ``hidden_len`` / ``encoder_len``: token counts of the processor's inputs (-1: absent), from
     which the layer learns its role; ``via_sdpa``: the call came through ``F`` (its stock path).
     """
-    _refuse_graph_capture()
+    _refuse_graph_capture(query)
     return _layer(layer_key).serve(query, key, value, attn_mask, mask_source, timestep, scale, hidden_len,
                                    encoder_len, via_sdpa)
 
@@ -149,7 +160,7 @@ def _kv_shard_op(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Ring attention over one of ``kv_shards`` KV shards: ``[B, S, H, D]`` output and ``[B, S, H]`` float32
     log-sum-exp (unmasked; arguments as ``diffusers_trtllm::attention``'s)."""
-    _refuse_graph_capture()
+    _refuse_graph_capture(query)
     return _layer(layer_key).serve_kv_shard(query, key, value, timestep, scale, hidden_len, encoder_len, kv_shards)
 
 
