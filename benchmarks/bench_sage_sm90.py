@@ -17,6 +17,8 @@ kernel in alternating rounds: the persistent kernel against one CTA per work til
         --builds default,persistent,persistent-1q --quants k128t-smooth --target-skips "" --kernel-only-builds \
         --alternate-builds --out benchmarks/results/sage_sm90_persistent_h100.json
 
+or CTAs of one consumer warpgroup, two an SM, with ``--builds default,one_consumer,one_consumer_persistent``.
+
 ``--quants k16,k128-smooth`` runs the kernel's rows per SAGE setting (``QUANTS``: K blocks of 16 or 128 keys,
 with or without ``smooth_k``, ``t``: split per thread); rows of settings other than ``k16`` carry the setting's
 name after the build's.
@@ -70,6 +72,9 @@ BUILDS = {
     "6stages": ("SAGE_SM90_STAGES=6",),
     "persistent": ("SAGE_SM90_PERSISTENT=1",),  # one CTA per SM looping over the work tiles (issue 57)
     "persistent-1q": ("SAGE_SM90_PERSISTENT=1", "SAGE_SM90_Q_BUFFERS=1"),  # the same with one Q buffer
+    # CTAs of 64 query rows (one consumer warpgroup, three stages), two an SM; and those persistent
+    "one_consumer": ("SAGE_SM90_CONSUMERS=1",),
+    "one_consumer_persistent": ("SAGE_SM90_CONSUMERS=1", "SAGE_SM90_PERSISTENT=1"),
 }
 
 

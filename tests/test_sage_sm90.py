@@ -49,20 +49,52 @@ def test_persistent_default_is_the_sources_and_defines_override_it():
     assert sage_sm90._persistent(("SAGE_SM90_PERSISTENT",)) and not sage_sm90._persistent(("SAGE_SM90_PINGPONG=1",))
 
 
+def test_consumers_default_is_the_sources_and_sets_the_ctas_rows_and_threads():
+    """Two consumer warpgroups: CTAs of 128 query rows and 384 threads, one an SM; one consumer: 64 rows, 256 threads,
+    two an SM (the source's __launch_bounds__ and shared memory fit them); the knob as the compiler reads it."""
+    default = re.search(r"#define SAGE_SM90_CONSUMERS (\d)", SOURCE.read_text()).group(1)
+    assert sage_sm90.CONSUMERS == int(default)
+    assert sage_sm90._cta(()) == sage_sm90._Cta(rows=128, threads=384, per_sm=1, persistent=False)
+    assert sage_sm90._cta(("SAGE_SM90_STAGES=3", "SAGE_SM90_CONSUMERS=2")) == sage_sm90._cta(())
+    assert sage_sm90._cta(("SAGE_SM90_CONSUMERS=1",)) == (64, 256, 2, False)
+    assert sage_sm90._cta(("SAGE_SM90_CONSUMERS=1", "SAGE_SM90_PERSISTENT=1")) == (64, 256, 2, True)
+    assert sage_sm90._cta(("SAGE_SM90_CONSUMERS=1", "SAGE_SM90_CONSUMERS=2")).rows == 128  # the last wins
+    assert sage_sm90._cta(("SAGE_SM90_CONSUMERS",)).rows == 64  # a bare name is 1
+    with pytest.raises(ValueError, match="SAGE_SM90_CONSUMERS is 1 or 2; got 3"):
+        sage_sm90._cta(("SAGE_SM90_CONSUMERS=3",))
+
+
+def _ragged_layout() -> PackedLayout:
+    """Five sequences: no queries nor keys, one token, 300 queries over 200 keys, keys without queries, 129 queries."""
+    cu = lambda lens: torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)  # noqa: E731
+    lens_q, lens_kv = (0, 1, 300, 0, 129), (0, 1, 200, 50, 140)
+    return PackedLayout.from_cu_seqlens(cu(lens_q), cu(lens_kv), 300, 200, q_tokens=sum(lens_q), kv_tokens=sum(lens_kv))
+
+
 def test_persistent_grid_is_one_cta_per_sm_up_to_the_work_tiles(monkeypatch):
     """One CTA per SM while there are more work tiles (128 query rows of one sequence and head); fewer where there
     are fewer, a sequence without queries or keys counting none; one CTA per work tile without the knob."""
     monkeypatch.setattr(sage_sm90, "_sm_count", lambda index: 132)
     dev = torch.device("cuda", 0)
+    persistent, per_tile = sage_sm90._cta(("SAGE_SM90_PERSISTENT=1",)), sage_sm90._cta(())
     flux = PackedLayout.dense(1, 4608, 4608, "cpu")
-    assert sage_sm90._grid(flux, 24, True, dev) == (132, 1, 1)  # 864 work tiles
-    assert sage_sm90._grid(flux, 24, False, dev) == (36, 24, 1)
-    cu = lambda lens: torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)  # noqa: E731
-    lens_q, lens_kv = (0, 1, 300, 0, 129), (0, 1, 200, 50, 140)
-    ragged = PackedLayout.from_cu_seqlens(cu(lens_q), cu(lens_kv), 300, 200, q_tokens=sum(lens_q),
-                                          kv_tokens=sum(lens_kv))
-    assert sage_sm90._grid(ragged, 8, True, dev) == (8 * (1 + 3 + 2), 1, 1)
-    assert sage_sm90._grid(ragged, 8, False, dev) == (3, 5 * 8, 1)
+    assert sage_sm90._grid(flux, 24, persistent, dev) == (132, 1, 1)  # 864 work tiles
+    assert sage_sm90._grid(flux, 24, per_tile, dev) == (36, 24, 1)
+    assert sage_sm90._grid(_ragged_layout(), 8, persistent, dev) == (8 * (1 + 3 + 2), 1, 1)
+    assert sage_sm90._grid(_ragged_layout(), 8, per_tile, dev) == (3, 5 * 8, 1)
+
+
+def test_one_consumer_grid_counts_tiles_of_64_rows_two_ctas_an_sm(monkeypatch):
+    """CTAs of one consumer: twice the query tiles, and the persistent kernel two CTAs an SM up to the work tiles."""
+    monkeypatch.setattr(sage_sm90, "_sm_count", lambda index: 132)
+    dev = torch.device("cuda", 0)
+    persistent = sage_sm90._cta(("SAGE_SM90_CONSUMERS=1", "SAGE_SM90_PERSISTENT=1"))
+    per_tile = sage_sm90._cta(("SAGE_SM90_CONSUMERS=1",))
+    flux = PackedLayout.dense(1, 4608, 4608, "cpu")
+    assert sage_sm90._grid(flux, 24, persistent, dev) == (264, 1, 1)  # 1,728 work tiles
+    assert sage_sm90._grid(flux, 24, per_tile, dev) == (72, 24, 1)
+    assert sage_sm90._grid(_ragged_layout(), 8, persistent, dev) == (8 * (1 + 5 + 3), 1, 1)
+    assert sage_sm90._grid(_ragged_layout(), 8, per_tile, dev) == (5, 5 * 8, 1)
 
 
 def test_every_entry_point_the_host_names_is_defined():
@@ -396,11 +428,13 @@ def test_kernel_builds_for_sm90a_without_spills_or_serialized_products():
 @pytest.mark.skipif(cuda_jit.find_nvcc() is None, reason="needs nvcc (ptxas's report)")
 @pytest.mark.parametrize("defines", [("SAGE_SM90_PERSISTENT=1",), ("SAGE_SM90_PERSISTENT=1", "SAGE_SM90_STAGES=6"),
                                      ("SAGE_SM90_PERSISTENT=1", "SAGE_SM90_OVERLAP=0"),
-                                     ("SAGE_SM90_PERSISTENT=1", "SAGE_SM90_Q_BUFFERS=1")])
+                                     ("SAGE_SM90_PERSISTENT=1", "SAGE_SM90_Q_BUFFERS=1"),
+                                     ("SAGE_SM90_CONSUMERS=1",), ("SAGE_SM90_CONSUMERS=1", "SAGE_SM90_PERSISTENT=1")])
 def test_other_builds_compile_without_spills(defines, tmp_path):
     """Builds beside the default the benchmark times: the persistent kernel alone, with six stages (one Q buffer:
-    two do not fit beside them), with the serial build (no softmax overlap) and with one Q buffer; two entry points
-    each (the route's and a head dim 64 one), no local memory and no serialized products."""
+    two do not fit beside them), with the serial build (no softmax overlap) and with one Q buffer; CTAs of one
+    consumer (232 registers a thread where two have 240), alone and persistent; two entry points each (the route's
+    and a head dim 64 one), no local memory and no serialized products."""
     nvcc = cuda_jit.find_nvcc()
     for variant in (sage_sm90.Variant(128, torch.bfloat16, 128, True), sage_sm90.Variant(64, torch.float16, 16, False)):
         flags = [f"-D{d}" for d in (*variant.defines, *defines)]
@@ -410,6 +444,16 @@ def test_other_builds_compile_without_spills(defines, tmp_path):
         assert res.returncode == 0, res.stderr[-3000:]
         assert "Potential Performance Loss" not in res.stderr
         assert re.search(r"\b0 bytes stack frame", res.stderr), res.stderr[-2000:]
+
+
+@pytest.mark.skipif(cuda_jit.find_nvcc() is None, reason="needs nvcc")
+def test_one_consumer_refuses_pingpong(tmp_path):
+    """SAGE_SM90_PINGPONG takes turns between two consumers: with one, the build stops at a static_assert."""
+    flags = [f"-D{d}" for d in (*sage_sm90.Variant(64, torch.bfloat16, 128, True).defines, "SAGE_SM90_CONSUMERS=1",
+                                "SAGE_SM90_PINGPONG=1")]
+    res = subprocess.run([cuda_jit.find_nvcc(), "-cubin", "-gencode=arch=compute_90a,code=sm_90a", "-std=c++17", *flags,
+                          "-o", str(tmp_path / "k.cubin"), str(SOURCE)], capture_output=True, text=True)
+    assert res.returncode != 0 and "SAGE_SM90_PINGPONG takes turns between two consumers" in res.stderr, res.stderr
 
 
 def _f16_constant(name: str) -> np.float16:
@@ -443,11 +487,14 @@ def test_half_precision_exponential_is_far_inside_fp8_rounding():
     assert same.float().mean() > 0.97
 
 
+@pytest.mark.parametrize("defines, rows, threads", [((), 128, 384), (("SAGE_SM90_CONSUMERS=1",), 64, 256)])
 @pytest.mark.parametrize("skip_factor, collect_stats, return_lse", [(None, False, False), (0.5, True, True)])
-def test_launch_packs_the_params_and_tensor_maps_the_kernel_reads(monkeypatch, skip_factor, collect_stats, return_lse):
+def test_launch_packs_the_params_and_tensor_maps_the_kernel_reads(monkeypatch, skip_factor, collect_stats, return_lse,
+                                                                  defines, rows, threads):
     """The host side with the kernel faked: the packed parameter block is ``_Params`` field for field, and the three
-    TMA maps describe the quantized Q, K (``[tokens, heads * dim]`` bytes) and V^T, each encoded once for a
-    repeated call (the block and the address list are reused between launches)."""
+    TMA maps describe the quantized Q (boxes of the CTA's rows), K (``[tokens, heads * dim]`` bytes) and V^T, each
+    encoded once for a repeated call (the block and the address list are reused between launches); the grid and the
+    threads are the build's CTA's."""
     from diffusers_trtllm.kernels.triton_quant import TritonSage
 
     tokens, heads, kv_heads, dim = 300, 4, 2, 128
@@ -485,13 +532,14 @@ def test_launch_packs_the_params_and_tensor_maps_the_kernel_reads(monkeypatch, s
     for _ in range(2):
         res = sage_sm90.sage_sm90_attention(q, k, k, layout, softmax_scale=0.125, quant=QuantConfig("int8"),
                                             skip_factor=skip_factor, collect_stats=collect_stats, quantized=st,
-                                            return_lse=return_lse)
-    assert encoded == [(st.q.data_ptr(), tokens, heads * dim, heads * dim, dim, 128),
+                                            return_lse=return_lse, defines=defines)
+    assert encoded == [(st.q.data_ptr(), tokens, heads * dim, heads * dim, dim, rows),
                        (st.k.data_ptr(), tokens, kv_heads * dim, kv_heads * dim, dim, 128),
                        (st.vt.data_ptr(), kv_heads * dim, 352, 352, 128, dim)]
-    assert kernels[0] == (q.device, dim, torch.bfloat16, 128, skip_factor is not None, ())
+    assert kernels[0] == (q.device, dim, torch.bfloat16, 128, skip_factor is not None, defines)
     first, (grid, block, maps, stream, p) = launches  # p: the last call's, whose ``res`` is here
-    assert (grid, block, maps, stream) == ((3, heads, 1), 384, [1001, 1002, 1003], 77) and first[2] == maps
+    assert (grid, block, maps, stream) == ((-(-tokens // rows), heads, 1), threads, [1001, 1002, 1003], 77)
+    assert first[2] == maps
     count = collect_stats and skip_factor is not None
     quant = sage_sm90._route_quant(QuantConfig("int8"))
     assert [getattr(p, f) for f, _ in p._fields_] == [

@@ -2,8 +2,9 @@
 reference (same quantization, same 64 x 128 tiles), over the ragged batches of the ``triton`` route's GPU
 tests; head dims 64 and 128, GQA, fp16, extreme magnitudes and NaN; the log-sum-exp, alone and merging two KV
 shards; the persistent kernel's loop over work tiles (more tiles than SMs, few CTAs, empty and one-token
-sequences) against the reference and against one CTA per tile; the kernel built by NVRTC and by nvcc, a first
-call that builds its one variant and says so, and the default's error on keys with a channel mean."""
+sequences) against the reference and against one CTA per tile, and CTAs of one consumer warpgroup (two an SM)
+against CTAs of two; the kernel built by NVRTC and by nvcc, a first call that builds its one variant and says so,
+and the default's error on keys with a channel mean."""
 
 from __future__ import annotations
 
@@ -28,7 +29,11 @@ BUILDS = {"default": (), "pingpong": ("SAGE_SM90_PINGPONG=1",), "two_stages": ("
           # six stages.
           "persistent": ("SAGE_SM90_PERSISTENT=1",),
           "one_q_buffer": ("SAGE_SM90_PERSISTENT=1", "SAGE_SM90_Q_BUFFERS=1"),
-          "six_stages": ("SAGE_SM90_PERSISTENT=1", "SAGE_SM90_STAGES=6")}  # (one Q buffer: two do not fit beside six)
+          "six_stages": ("SAGE_SM90_PERSISTENT=1", "SAGE_SM90_STAGES=6"),  # (one Q buffer: two do not fit beside six)
+          # CTAs of 64 query rows, one consumer warpgroup, two an SM (three stages), and the same persistent (head dim
+          # 128 with one Q buffer: two do not fit beside three stages in half the SM's shared memory).
+          "one_consumer": ("SAGE_SM90_CONSUMERS=1",),
+          "one_consumer_persistent": ("SAGE_SM90_CONSUMERS=1", "SAGE_SM90_PERSISTENT=1")}
 
 
 @pytest.fixture(autouse=True)
@@ -64,6 +69,25 @@ def test_int8_sage_matches_reference(dim, kv_heads, blocks, skip, build):
     check_tile_counts(res, ref, skip)
     assert rel_l1(res.out, ref.out) < 1.5e-2
     assert rel_l1(res.out, _reference(q, k, v, layout).out) < 0.06
+
+
+@pytest.mark.parametrize("build", ["default", "one_consumer", "one_consumer_persistent"])
+@pytest.mark.parametrize("dim", [64, 128])
+def test_ctas_an_sm_are_what_the_host_counts(dim, build):
+    """The driver fits as many CTAs of the build on an SM as the host's grid counts on (two of one consumer: the
+    registers of ``__launch_bounds__`` and the shared memory the source sized for it), at the launch's shared memory."""
+    import ctypes
+
+    from diffusers_trtllm.kernels import cuda_jit, sage_sm90
+
+    kernel = sage_sm90._kernel(torch.device("cuda", torch.cuda.current_device()), dim, torch.bfloat16, 128, True,
+                               BUILDS[build])
+    cta = sage_sm90._cta(BUILDS[build])
+    blocks = ctypes.c_int()
+    cuda_jit._check(cuda_jit._driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(
+        ctypes.byref(blocks), ctypes.c_void_p(kernel.function), ctypes.c_int(cta.threads),
+        ctypes.c_size_t(kernel.shared_bytes)), "occupancy")
+    assert blocks.value == cta.per_sm
 
 
 @pytest.mark.parametrize("k_block,per_thread", [(16, False), (128, False), (128, True)])
@@ -282,7 +306,7 @@ def test_default_int8_is_as_accurate_as_sageattention2_on_keys_with_a_channel_me
     assert default <= rel_l1(theirs, dense) * 1.02, (default, rel_l1(theirs, dense))
 
 
-# ---- the persistent kernel (issue 57): one CTA per SM looping over the work tiles ----------------------------
+# ---- the persistent kernel (issue 57): one CTA per SM looping over the work tiles; CTAs of one consumer ---------
 
 #: Ragged batches with sequences the schedule must pass over (no queries; no queries nor keys) and one-token ones,
 #: beside long ones: (query lengths, key lengths).
@@ -309,11 +333,12 @@ def _check_lse(res, ref, q, k, v, layout, factor) -> None:
     assert ours.mean() <= 1.1 * emulated.mean() + 1e-4, (ours.mean(), emulated.mean())
 
 
+@pytest.mark.parametrize("build", ["default", "one_consumer", "one_consumer_persistent"])
 @pytest.mark.parametrize("skip", [None, 0.02])
 @pytest.mark.parametrize("dim,kv_heads,blocks", [(128, 2, (1, 128, True)), (64, 2, (1, 16, False)),
                                                  (128, 8, (4, 4, False)), (64, 8, (1, 1, False))])
 @pytest.mark.parametrize("lens", list(RAGGED_EDGES))
-def test_ragged_batches_with_empty_and_one_token_sequences(lens, dim, kv_heads, blocks, skip):
+def test_ragged_batches_with_empty_and_one_token_sequences(lens, dim, kv_heads, blocks, skip, build):
     """Sequences without queries (with or without keys) have no work tiles and one-token sequences one each, in
     between long ones: the persistent kernel's producer and consumers agree on every tile's KV tiles (a disagreement
     hangs the ring), and the output, the skipped tiles and the log-sum-exp are the reference's."""
@@ -322,7 +347,7 @@ def test_ragged_batches_with_empty_and_one_token_sequences(lens, dim, kv_heads, 
     quant = QuantConfig("int8", q_block, k_block, k_per_thread=per_thread)
     factor = None if skip is None else skip * layout.max_seqlen_kv
     res = _attention(q, k, v, layout, softmax_scale=dim**-0.5, skip_factor=factor, quant=quant, collect_stats=True,
-                     return_lse=True)
+                     return_lse=True, defines=BUILDS[build])
     ref = _reference(q, k, v, layout, skip_factor=factor, quant=quant, tile_q=64, tile_kv=128)
     check_tile_counts(res, ref, skip)
     assert rel_l1(res.out, ref.out) < 1.5e-2
@@ -330,10 +355,11 @@ def test_ragged_batches_with_empty_and_one_token_sequences(lens, dim, kv_heads, 
 
 
 @pytest.mark.parametrize("ctas", [1, 3, 7])
-@pytest.mark.parametrize("build", ["persistent", "pingpong", "serial", "one_q_buffer", "two_stages"])
+@pytest.mark.parametrize("build", ["persistent", "pingpong", "serial", "one_q_buffer", "two_stages", "one_consumer"])
 @pytest.mark.parametrize("skip", [None, 0.02])
 def test_few_ctas_loop_over_many_work_tiles(skip, build, ctas, monkeypatch):
-    """A grid of 1, 3 or 7 CTAs (the SM count the host sees, patched): each CTA runs tens to hundreds of work tiles
+    """A grid of 1, 3 or 7 SMs' CTAs (the SM count the host sees, patched; two CTAs an SM with one consumer): each
+    CTA runs tens to hundreds of work tiles
     of the triton tests' ragged batch (248 in all), so the ring's stages and phases and the Q buffers' run on over
     many tiles of different lengths; GQA and skip counts held to the reference."""
     from diffusers_trtllm.kernels import sage_sm90
@@ -350,7 +376,7 @@ def test_few_ctas_loop_over_many_work_tiles(skip, build, ctas, monkeypatch):
     _check_lse(res, ref, q, k, v, layout, factor)
 
 
-@pytest.mark.parametrize("build", ["default", "persistent"])
+@pytest.mark.parametrize("build", ["default", "persistent", "one_consumer", "one_consumer_persistent"])
 @pytest.mark.parametrize("skip", [None, 0.02])
 @pytest.mark.parametrize("dim,kv_heads", [(128, 24), (128, 8), (64, 6)])
 def test_more_work_tiles_than_sms(dim, kv_heads, skip, build):
@@ -371,20 +397,22 @@ def test_more_work_tiles_than_sms(dim, kv_heads, skip, build):
 @pytest.mark.parametrize("skip", [None, 0.02])
 @pytest.mark.parametrize("case", ["flux_batch4", "zero_and_one_token", "one_token_first"])
 @pytest.mark.parametrize("dim", [64, 128])
-def test_persistent_computes_what_one_cta_per_tile_does(dim, case, skip):
+@pytest.mark.parametrize("builds", [("persistent", "default"), ("one_consumer", "default"),
+                                    ("one_consumer_persistent", "one_consumer")])
+def test_builds_compute_what_their_baseline_does(builds, dim, case, skip):
     """The persistent kernel (SAGE_SM90_PERSISTENT=1) and one CTA per work tile run the same arithmetic on every
-    tile, in another order: the outputs and log-sum-exps agree to rounding (bit for bit where ptxas schedules the
-    two alike) and the skipped tiles to a borderline tile or two."""
+    tile, in another order, and so do CTAs of one consumer and of two: the outputs and log-sum-exps agree to rounding
+    (bit for bit where ptxas schedules the two alike) and the skipped tiles to a borderline tile or two."""
     lens_q, lens_kv = ((4608,) * 4, (4608,) * 4) if case == "flux_batch4" else RAGGED_EDGES[case]
     q, k, v, layout = _ragged(lens_q, lens_kv, dim, heads=24 if case == "flux_batch4" else 8,
                               kv_heads=8 if case == "flux_batch4" else 2)
     quant = _int8(smooth_k=True)
     factor = None if skip is None else skip * layout.max_seqlen_kv
     runs = [_attention(q, k, v, layout, softmax_scale=dim**-0.5, skip_factor=factor, quant=quant, collect_stats=True,
-                       return_lse=True, defines=defines) for defines in (BUILDS["persistent"], ())]
-    persistent, per_tile = runs
-    assert persistent.total_tiles == per_tile.total_tiles
+                       return_lse=True, defines=BUILDS[name]) for name in builds]
+    build, baseline = runs
+    assert build.total_tiles == baseline.total_tiles
     if skip is not None:
-        assert abs(persistent.skipped_tiles - per_tile.skipped_tiles) <= 2
-    assert rel_l1(persistent.out, per_tile.out) < 1e-3
-    assert torch.isfinite(persistent.lse).all() and (persistent.lse - per_tile.lse).abs().max() < 1e-3
+        assert abs(build.skipped_tiles - baseline.skipped_tiles) <= 2
+    assert rel_l1(build.out, baseline.out) < 1e-3
+    assert torch.isfinite(build.lse).all() and (build.lse - baseline.lse).abs().max() < 1e-3

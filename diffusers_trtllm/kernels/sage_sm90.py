@@ -9,9 +9,12 @@ docs/design.md defines it (int8 Q/K with per-block scales, K blocks of ``K_BLOCK
 ``K_PER_THREAD`` says where the call leaves them to the route, ``smooth_k``, fp8 V per channel less its mean,
 P as ``448 * p`` in fp8), quantized by the ``triton`` route's fused quantizer with V's keys in this kernel's register order.
 Each row's log-sum-exp comes back where a call asks for it (ring attention's KV shards), as the ``triton`` route's.
-With ``SAGE_SM90_PERSISTENT=1`` it is persistent (issue 57): one CTA per SM (the device's SM count, read once) up
-to the work tiles there are, each looping over tiles of 128 query rows of one sequence and head; measured 2-4%
-slower than one CTA per tile on an H100, so not the default.
+A CTA serves 128 query rows of one sequence and head, or 64 with ``SAGE_SM90_CONSUMERS=1`` (one consumer
+warpgroup, 256 threads, three K/V stages, two CTAs an SM: for 4-16k tokens, where the last wave's tail and each
+CTA's prologue and epilogue weigh most; awaits its timing against the default).
+With ``SAGE_SM90_PERSISTENT=1`` it is persistent (issue 57): as many CTAs as the SMs hold (the device's SM count,
+read once) up to the work tiles there are, each looping over tiles of its rows; measured 2-4% slower than one CTA
+per tile on an H100, so not the default.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -52,11 +55,11 @@ K_BLOCK = 128
 #: tile, one per quad lane; a thread's 32 scores of a row still share one): on the H200 as fast as unsplit, at
 #: SageAttention2's K granularity and below its rel-L1 (0.0327 / 0.0323 against 0.0335 / 0.0326; run 23).
 K_PER_THREAD = True
-#: Query rows per CTA (two consumer warpgroups) and threads per CTA (with the producer warpgroup).
-_CTA_ROWS, _THREADS = 128, 384
 _SOURCE = "sage_sm90.cu"
 #: ``SAGE_SM90_PERSISTENT``'s default in the source: one CTA per work tile (the persistent build measured slower).
 PERSISTENT = False
+#: ``SAGE_SM90_CONSUMERS``'s default in the source: two consumer warpgroups of ``BLOCK_M`` query rows a CTA.
+CONSUMERS = 2
 _OUT_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
@@ -149,15 +152,40 @@ def build_kernels(variants: Iterable[Variant] = VARIANTS, builds: Iterable[tuple
         return list(tqdm(done, total=len(work), desc=f"sage-sm90 kernels ({compiler.version})", unit="kernel"))
 
 
-def _persistent(defines: tuple[str, ...]) -> bool:
-    """Whether a build with these ``-D`` knobs is the persistent kernel (the last ``SAGE_SM90_PERSISTENT`` wins, as
-    with the compiler's ``-D``; a bare name is 1)."""
-    persistent = PERSISTENT
+def _knob(defines: tuple[str, ...], name: str, default: int) -> int:
+    """The value of the ``-D`` knob ``name`` in a build's defines, else ``default`` (the last wins, as with the
+    compiler's ``-D``; a bare name is 1)."""
+    value = default
     for define in defines:
-        name, _, value = define.partition("=")
-        if name.strip() == "SAGE_SM90_PERSISTENT":
-            persistent = int(value or 1) != 0
-    return persistent
+        key, _, given = define.partition("=")
+        if key.strip() == name:
+            value = int(given or 1)
+    return value
+
+
+def _persistent(defines: tuple[str, ...]) -> bool:
+    """Whether a build with these ``-D`` knobs is the persistent kernel."""
+    return _knob(defines, "SAGE_SM90_PERSISTENT", PERSISTENT) != 0
+
+
+class _Cta(NamedTuple):
+    """What a launch needs of a build's CTA: its query rows (``BLOCK_M`` a consumer warpgroup), its threads (a
+    warpgroup each, the producer's too), how many the source's ``__launch_bounds__`` fits on an SM (two with one
+    consumer), and whether the kernel is persistent."""
+
+    rows: int
+    threads: int
+    per_sm: int
+    persistent: bool
+
+
+@functools.lru_cache(maxsize=64)
+def _cta(defines: tuple[str, ...]) -> _Cta:
+    """The CTA of a build with these ``-D`` knobs (once per build: every call asks)."""
+    consumers = _knob(defines, "SAGE_SM90_CONSUMERS", CONSUMERS)
+    if consumers not in (1, 2):
+        raise ValueError(f"SAGE_SM90_CONSUMERS is 1 or 2; got {consumers}")
+    return _Cta(BLOCK_M * consumers, 128 * (consumers + 1), 2 if consumers == 1 else 1, _persistent(defines))
 
 
 @functools.lru_cache(maxsize=None)
@@ -165,14 +193,15 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _grid(layout: PackedLayout, heads: int, persistent: bool, device: torch.device) -> tuple[int, int, int]:
-    """The launch grid: one CTA per (128 query rows, sequence x head), or for the persistent kernel one CTA per SM up
-    to the work tiles there are (a sequence without queries or keys has none), each looping over tiles."""
-    if not persistent:
-        return (-(-layout.max_seqlen_q // _CTA_ROWS), layout.num_seqs * heads, 1)
-    tiles = heads * sum(-(-lq // _CTA_ROWS) for lq, lkv in zip(layout.q_lens, layout.kv_lens) if lkv)
+def _grid(layout: PackedLayout, heads: int, cta: _Cta, device: torch.device) -> tuple[int, int, int]:
+    """The launch grid: one CTA per (``cta.rows`` query rows, sequence x head), or for the persistent kernel as many
+    as the SMs hold (``cta.per_sm`` each) up to the work tiles there are (a sequence without queries or keys has
+    none), each looping over tiles."""
+    if not cta.persistent:
+        return (-(-layout.max_seqlen_q // cta.rows), layout.num_seqs * heads, 1)
+    tiles = heads * sum(-(-lq // cta.rows) for lq, lkv in zip(layout.q_lens, layout.kv_lens) if lkv)
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return (max(1, min(tiles, _sm_count(index))), 1, 1)
+    return (max(1, min(tiles, cta.per_sm * _sm_count(index))), 1, 1)
 
 
 def _kernel(device: torch.device, head_dim: int, out_dtype: torch.dtype, k_block_size: int, skip: bool,
@@ -256,6 +285,8 @@ def sage_sm90_attention(
     tokens_q, heads, dim = q.shape
     tokens_kv, kv_heads = k.shape[:2]
     device = q.device
+    defines = tuple(defines)
+    cta = _cta(defines)
     out = torch.empty(tokens_q, heads, dim, dtype=q.dtype, device=device)
     count = collect_stats and skip_factor is not None
     stats = torch.zeros(1, dtype=torch.int32, device=device) if count else out
@@ -264,7 +295,7 @@ def sage_sm90_attention(
     # The maps are held until the launch: encoding one may evict another from the cache, freeing its descriptor.
     tensor_map = cuda_jit.TensorMap.cached_bytes_2d
     vt_rows, vt_cols = st.vt.shape
-    maps = (tensor_map(st.q.data_ptr(), tokens_q, heads * dim, heads * dim, dim, _CTA_ROWS),
+    maps = (tensor_map(st.q.data_ptr(), tokens_q, heads * dim, heads * dim, dim, cta.rows),
             tensor_map(st.k.data_ptr(), tokens_kv, kv_heads * dim, kv_heads * dim, dim, BLOCK_N),
             tensor_map(st.vt.data_ptr(), vt_rows, vt_cols, vt_cols, BLOCK_N, dim))
     arguments = _ARGUMENTS.addresses
@@ -279,9 +310,8 @@ def sage_sm90_attention(
         lse.data_ptr() if lse is not None else 0, layout.num_seqs,
     )
     # A skip factor of 0 can skip nothing (lambda = 0): the kernel without the vote gives the same output, faster.
-    kernel = _kernel(device, dim, q.dtype, quant.k_block_size, bool(skip_factor), tuple(defines))
-    grid = _grid(layout, heads, _persistent(defines), device)
-    kernel.launch(grid, _THREADS, arguments, cuda_jit.current_stream(device))
+    kernel = _kernel(device, dim, q.dtype, quant.k_block_size, bool(skip_factor), defines)
+    kernel.launch(_grid(layout, heads, cta, device), cta.threads, arguments, cuda_jit.current_stream(device))
     if return_lse and st.k_mean is not None:  # the kernel's is of the logits less q . k_mean (smooth_k)
         lse = lse_before_smoothing(lse, st.dequantized_q(layout, quant.q_block_size), st.k_mean, softmax_scale)
     return tile_output(out, stats, layout, heads, BLOCK_M, BLOCK_N, collect_stats, skip_factor, lse)

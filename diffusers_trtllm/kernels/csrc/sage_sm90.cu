@@ -11,17 +11,18 @@
 // K scale beside them. Warpgroups 1 and 2 are the consumers, 64 query rows each, each issuing its
 // tensor-core work when ready (SAGE_SM90_PINGPONG=1 makes them take turns, FA3's ping-pong: 1-2% slower on
 // the H200 since 2026-12-03, docs/design.md "What skip costs"), and each issues P.V of tile n together with
-// Q.K^T of tile n + 1.
+// Q.K^T of tile n + 1. SAGE_SM90_CONSUMERS=1 makes the CTA 64 query rows, the producer and one consumer (256
+// threads), so that two CTAs share an SM: one's prologue, epilogue and last-wave tail beside the other's work.
 //
-// Persistent (SAGE_SM90_PERSISTENT, issue 57): the host launches min(work tiles, SMs) CTAs, and CTA b runs the work
-// tiles b, b + gridDim.x, ... (WorkTile: numbered by sequence, head, query tile, so that the CTAs running together
-// share K and V in L2). The K/V ring's stages and phases count the CTA's KV tiles across its work tiles, and Q has
-// two buffers (one where two do not fit beside the stages) with a full and an empty barrier each: the consumers
-// hand Q back after a tile's last Q.K^T, so the next tile's Q and first KV tiles load while they finish the last
-// P.V and store the output. One CTA per work tile (0) pays that prologue and epilogue with the SM otherwise idle,
-// about 6 of Flux 1024 x 1024's 36 KV tiles a CTA, yet measured faster on an H100 (kernel alone 0.422 / 3.892 /
-// 24.46 ms against 0.429 / 3.984 / 25.36 at 4,608 / 16,896 / 32,760 tokens: the static order's last round and
-// the longer loop cost more than the hidden prologue saves; benchmarks/results/sage_sm90_persistent_h100.md),
+// Persistent (SAGE_SM90_PERSISTENT, issue 57): the host launches min(work tiles, SMs x CTAS_PER_SM) CTAs, and CTA b
+// runs the work tiles b, b + gridDim.x, ... (WorkTile: numbered by sequence, head, query tile, so that the CTAs
+// running together share K and V in L2). The K/V ring's stages and phases count the CTA's KV tiles across its work
+// tiles, and Q has two buffers (one where two do not fit beside the stages) with a full and an empty barrier each:
+// the consumers hand Q back after a tile's last Q.K^T, so the next tile's Q and first KV tiles load while they
+// finish the last P.V and store the output. One CTA per work tile (0) pays that prologue and epilogue with the SM
+// otherwise idle, about 6 of Flux 1024 x 1024's 36 KV tiles a CTA, yet measured faster on an H100 (kernel alone
+// 0.422 / 3.892 / 24.46 ms against 0.429 / 3.984 / 25.36 at 4,608 / 16,896 / 32,760 tokens: the static order's last
+// round and the longer loop cost more than the hidden prologue saves; benchmarks/results/sage_sm90_persistent_h100.md),
 // so it stays the default.
 //
 // Per KV tile a consumer: S = Q K^T (wgmma int8 -> int32); the row max over integers within each group of
@@ -42,7 +43,9 @@
 //
 // Build knobs (-D): SAGE_SM90_STAGES (pipeline depth), SAGE_SM90_PINGPONG, SAGE_SM90_SOFT_EXP,
 // SAGE_SM90_OVERLAP (FA3's intra-warpgroup overlap: Q.K^T of tile n + 1 and P.V of tile n in two commit
-// groups, softmax of tile n + 1 beside the latter; 0: both in one group, waited for together) and
+// groups, softmax of tile n + 1 beside the latter; 0: both in one group, waited for together),
+// SAGE_SM90_CONSUMERS (consumer warpgroups a CTA, 2; 1: two CTAs an SM, each with 232 registers a consumer thread
+// where two consumers have 240, and three stages where two have four, to fit; no PINGPONG; awaits its timing) and
 // SAGE_SM90_HALF_POLY (the FMA-pipe exponentials two at a time in half precision, exp2_e4m3x2; 0: one at a
 // time in fp32), SAGE_SM90_PERSISTENT and SAGE_SM90_Q_BUFFERS (the persistent kernel's Q buffers, at most). The
 // defaults are the fastest measured (benchmarks/results/sage_sm90_sweep_h200.md; SAGE_SM90_PERSISTENT's: above).
@@ -51,8 +54,11 @@
 #ifndef SAGE_SM90_SOFT_EXP  // of each row's 16 score chunks, how many take exp2_poly (fast path)
 #define SAGE_SM90_SOFT_EXP 4
 #endif
-#ifndef SAGE_SM90_STAGES
-#define SAGE_SM90_STAGES 4
+#ifndef SAGE_SM90_CONSUMERS  // consumer warpgroups of 64 query rows a CTA: 2 (one CTA an SM) or 1 (two CTAs an SM)
+#define SAGE_SM90_CONSUMERS 2
+#endif
+#ifndef SAGE_SM90_STAGES  // (one consumer: three, so that two CTAs fit in shared memory)
+#define SAGE_SM90_STAGES (SAGE_SM90_CONSUMERS == 1 ? 3 : 4)
 #endif
 #ifndef SAGE_SM90_PINGPONG  // the consumers take turns issuing their products (1; 0: each issues when ready)
 #define SAGE_SM90_PINGPONG 0
@@ -88,8 +94,19 @@ struct Fp16 { uint16_t bits; };
 
 constexpr int BLOCK_M = 64;    // query rows per consumer warpgroup: the skip rule's tile_q
 constexpr int BLOCK_N = 128;   // keys per tile: tile_kv
-constexpr int CONSUMERS = 2;
+constexpr int CONSUMERS = SAGE_SM90_CONSUMERS;
+static_assert(CONSUMERS == 1 || CONSUMERS == 2, "SAGE_SM90_CONSUMERS is 1 or 2");
 constexpr int THREADS = 128 * (CONSUMERS + 1);
+constexpr int CTAS_PER_SM = CONSUMERS == 1 ? 2 : 1;  // resident together (__launch_bounds__, shared memory)
+// Registers a thread after setmaxnreg: the producer warpgroup gives registers back to the CTA's pool and the consumers
+// take them, so together they have at most what the CTA got at its launch: THREADS x ptxas's count a thread under
+// __launch_bounds__ (the SM's 64K shared by CTAS_PER_SM CTAs, a multiple of 8). 232 x 128 + 24 x 128 is all of a
+// one-consumer CTA's 32K.
+constexpr int PRODUCER_REGS = 24;
+constexpr int CONSUMER_REGS = CONSUMERS == 1 ? 232 : 240;
+constexpr int LAUNCH_REGS = 65536 / (CTAS_PER_SM * THREADS) / 8 * 8;
+static_assert(128 * (PRODUCER_REGS + CONSUMERS * CONSUMER_REGS) <= THREADS * LAUNCH_REGS,
+              "setmaxnreg past the registers the CTA holds");
 constexpr float LOG2_P_SCALE = 8.807354922057604f;  // log2(448): P is stored as 448 * p
 constexpr float LN2 = 0.6931471805599453f;
 constexpr float NEG_INF = __builtin_bit_cast(float, 0xff800000u);  // -inf, with no <cmath> to name it
@@ -340,8 +357,12 @@ __device__ __forceinline__ void fence_operand(uint32_t (&x)[N][M]) {
   }
 }
 
-__device__ __forceinline__ void setmaxnreg_dec24() { asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n"); }
-__device__ __forceinline__ void setmaxnreg_inc240() { asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n"); }
+__device__ __forceinline__ void setmaxnreg_producer() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_REGS));
+}
+__device__ __forceinline__ void setmaxnreg_consumer() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGS));
+}
 
 // D (+)= A * B^T, A (Q) and B (K) int8 in shared memory, K-major; D int32 [64 x 128]. ACCUMULATE false
 // overwrites D (write-only operands, so the compiler keeps no stale values alive).
@@ -471,7 +492,9 @@ struct Smem {
   uint64_t empty[STAGES];
 };
 
-constexpr int MAX_SMEM = 227 * 1024;  // dynamic shared memory a CTA may have on sm_90
+// Dynamic shared memory a CTA may have on sm_90 with CTAS_PER_SM of them resident: 227 KB alone, else a share of the
+// SM's 228 KB less the 1 KB the system reserves per CTA.
+constexpr int MAX_SMEM = CTAS_PER_SM == 1 ? 227 * 1024 : 228 * 1024 / CTAS_PER_SM - 1024;
 
 // Q buffers: one per CTA, or in the persistent kernel up to SAGE_SM90_Q_BUFFERS where they fit beside the stages.
 template <int D, int STAGES, bool PERSISTENT>
@@ -637,8 +660,8 @@ __device__ __forceinline__ bool tile_softmax(const int32_t (&acc)[64], uint32_t 
 
 // ---- work tiles ---------------------------------------------------------------------------------------
 
-// A CTA's unit of work: 128 query rows (from m0) of one (sequence, head) against all of the sequence's keys, and in
-// the persistent kernel where it stands in the schedule.
+// A CTA's unit of work: CONSUMERS x 64 query rows (from m0) of one (sequence, head) against all of the sequence's
+// keys, and in the persistent kernel where it stands in the schedule.
 //
 // The persistent schedule (SAGE_SM90_PERSISTENT) numbers the work tiles sequence by sequence, head by head, query tile
 // by query tile, so that the CTAs running at one time mostly share a (sequence, head) and its K and V in L2; a
@@ -704,10 +727,10 @@ struct WorkTile {
 // ---- the kernel ---------------------------------------------------------------------------------------
 
 // The consumer warpgroups' part of the kernel (one branch of the role split, so that setmaxnreg can
-// give it 240 registers a thread).
+// give it CONSUMER_REGS registers a thread).
 template <int D, int STAGES, int QB, int G, bool SKIP, bool PINGPONG, bool OVERLAP, bool PERSISTENT, typename OutT>
 __device__ __forceinline__ void consume(Smem<D, STAGES, QB>& sm, const Params& p, int consumer) {
-  setmaxnreg_inc240();
+  setmaxnreg_consumer();
   WorkTile tile;
   tile.start<PERSISTENT>(p);  // (found again here: values live across the role split cost registers on both sides)
   const int tid = threadIdx.x % 128;
@@ -717,14 +740,14 @@ __device__ __forceinline__ void consume(Smem<D, STAGES, QB>& sm, const Params& p
   // The ones and zeros below every stage's V^T tile (TMA writes only its D rows), visible to the tensor
   // cores (async proxy) before any P.V product. Once per CTA: TMA never writes them.
   {
-    const int i = consumer * 128 + tid;  // 256 threads x 16 bytes = 4 stages x 1 KB
-    for (int s = i / 64; s < STAGES; s += 4) {
+    const int i = consumer * 128 + tid;  // 64 threads x 16 bytes a stage's 1 KB: 2 stages a consumer at a time
+    for (int s = i / 64; s < STAGES; s += 2 * CONSUMERS) {
       const int offset = (i % 64) * 16;
       const uint32_t word = offset < BLOCK_N ? E4M3_ONES : 0u;
       *reinterpret_cast<uint4*>(sm.v[s] + D * BLOCK_N + offset) = make_uint4(word, word, word, word);
     }
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    named_sync(5, 256);
+    named_sync(5, 128 * CONSUMERS);
   }
 
   // Descriptors: this consumer's Q, and each stage's K, V^T and the ones row below V^T, made once and moved on
@@ -1023,7 +1046,8 @@ template <int D, int STAGES, int G, bool SKIP, bool PINGPONG, bool OVERLAP, bool
 __device__ __forceinline__ void attention(const TensorMap* map_q, const TensorMap* map_k, const TensorMap* map_v,
                                           const Params& p) {
   constexpr int QB = q_buffers<D, STAGES, PERSISTENT>();
-  static_assert(smem_bytes<D, STAGES, PERSISTENT>() <= MAX_SMEM, "shared memory past sm_90's 227 KB");
+  static_assert(smem_bytes<D, STAGES, PERSISTENT>() <= MAX_SMEM, "shared memory past what CTAS_PER_SM CTAs have");
+  static_assert(!PINGPONG || CONSUMERS == 2, "SAGE_SM90_PINGPONG takes turns between two consumers");
   extern __shared__ uint8_t smem_raw[];
   auto& sm = *reinterpret_cast<Smem<D, STAGES, QB>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
 
@@ -1053,7 +1077,7 @@ __device__ __forceinline__ void attention(const TensorMap* map_q, const TensorMa
   // its work tiles (c), so the ring's stages and phases run on from one work tile to the next, and the next tile's
   // Q and first KV tiles load while the consumers finish the current one ----
   if (warpgroup == 0) {
-    setmaxnreg_dec24();
+    setmaxnreg_producer();
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     WorkTile tile;  // (found again in each role, as in consume)
     if (warp == 0 && lane == 0) {
@@ -1116,7 +1140,7 @@ __device__ __forceinline__ void attention(const TensorMap* map_q, const TensorMa
 #define SAGE_SM90_CAT_(A, B) A##B
 #define SAGE_SM90_CAT(A, B) SAGE_SM90_CAT_(A, B)
 #define SAGE_SM90_KERNEL(NAME, D, KB, SKIP, OUT)                                                            \
-  extern "C" __global__ void __launch_bounds__(sage_sm90::THREADS, 1)                                      \
+  extern "C" __global__ void __launch_bounds__(sage_sm90::THREADS, sage_sm90::CTAS_PER_SM)                 \
       NAME(const __grid_constant__ sage_sm90::TensorMap map_q, const __grid_constant__ sage_sm90::TensorMap map_k, \
            const __grid_constant__ sage_sm90::TensorMap map_v, const sage_sm90::Params params) {                \
     sage_sm90::attention<D, SAGE_SM90_STAGES, sage_sm90::scores_per_k_scale(KB), SKIP, SAGE_SM90_PINGPONG,    \
