@@ -297,10 +297,11 @@ def _decide(query, key, value, attn_mask, layout, softmax_scale, skip, factor, q
     else:
         _check_layout(layout, query, key)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(query.shape[-1])
+    q, k, v = layout.pack(query, key, value)
     call = AttentionCall(
-        q=layout.pack_q(query),
-        k=layout.pack_kv(key),
-        v=layout.pack_kv(value),
+        q=q,
+        k=k,
+        v=v,
         layout=layout,
         softmax_scale=scale,
         skip_factor=factor,
@@ -345,7 +346,7 @@ def _execute(plan: _Plan, query, key, value, factor: float | None,
         out = stock()
         return out, AttentionResult(out, "sdpa", note=plan.note)
     layout = plan.layout
-    call = AttentionCall(layout.pack_q(query), layout.pack_kv(key), layout.pack_kv(value), layout, plan.softmax_scale,
+    call = AttentionCall(*layout.pack(query, key, value), layout, plan.softmax_scale,
                          factor if plan.skip else None, plan.quant, plan.collect_stats, plan.role, plan.return_lse,
                          plan.kv_shards)
     result = plan.route.run(call)
