@@ -271,19 +271,16 @@ _PLANS_MAX = 1024
 
 @dataclass(frozen=True)
 class _Plan:
-    """A decided call: its layout, the request the policy kept (skip on or off, SAGE settings), the route that
-    runs it (None: the caller's stock call), the policy's note."""
+    """A decided call: its layout, whether skip-softmax and SAGE stay on (what the policy kept of the request),
+    the route that runs it (None: the caller's stock call), the policy's note, and its ``AttentionCall``'s
+    fields but the tensors and the skip factor (``AttentionCall.fixed_fields``)."""
 
     layout: PackedLayout
-    softmax_scale: float
     skip: bool
-    quant: QuantConfig | None
+    sage: bool
     route: Route | None
     note: str | None
-    collect_stats: bool
-    role: str
-    return_lse: bool
-    kv_shards: int
+    fixed: Mapping[str, Any]
 
 
 def _decide(query, key, value, attn_mask, layout, softmax_scale, skip, factor, quant, backend, fallback, role,
@@ -335,8 +332,8 @@ def _decide(query, key, value, attn_mask, layout, softmax_scale, skip, factor, q
         call = dense
     dense_call = call.skip_factor is None and call.quant is None
     stock = route.name == "sdpa" and has_stock and dense_call and not return_lse
-    return _Plan(layout, scale, call.skip_factor is not None, call.quant, None if stock else route,
-                 decision.note or (STOCK_SDPA_NOTE if stock else None), collect_stats, role, return_lse, kv_shards)
+    return _Plan(layout, call.skip_factor is not None, call.quant is not None, None if stock else route,
+                 decision.note or (STOCK_SDPA_NOTE if stock else None), call.fixed_fields())
 
 
 def _execute(plan: _Plan, query, key, value, factor: float | None,
@@ -346,11 +343,9 @@ def _execute(plan: _Plan, query, key, value, factor: float | None,
         out = stock()
         return out, AttentionResult(out, "sdpa", note=plan.note)
     layout = plan.layout
-    call = AttentionCall(*layout.pack(query, key, value), layout, plan.softmax_scale,
-                         factor if plan.skip else None, plan.quant, plan.collect_stats, plan.role, plan.return_lse,
-                         plan.kv_shards)
+    call = AttentionCall.assemble(plan.fixed, *layout.pack(query, key, value), factor if plan.skip else None)
     result = plan.route.run(call)
-    result.sparse, result.sage, result.note = plan.skip, plan.quant is not None, plan.note
+    result.sparse, result.sage, result.note = plan.skip, plan.sage, plan.note
     if result.lse is not None:
         result.lse = layout.unpack_q(result.lse[..., None])[..., 0]
     return layout.unpack_q(result.out), result
