@@ -97,10 +97,14 @@ class Calibration:
 
 @dataclass(frozen=True)
 class _MaskPlan:
-    """How a masked call runs: our kernel over ``layout``; queries at ``padded`` (per batch row) stock."""
+    """How a masked call runs: our kernel over ``layout``; queries at ``padded`` (per batch row) stock.
+    ``layout`` None: unmasked, laid out by ``run_attention`` within the plan it keeps for the call's shapes."""
 
-    layout: PackedLayout
+    layout: PackedLayout | None
     padded: tuple[Optional[torch.Tensor], ...] = ()
+
+
+_UNMASKED = _MaskPlan(None)
 
 
 class LayerState:
@@ -266,16 +270,17 @@ class LayerState:
                       "TrtllmAttnProcessor: %s attention (%s) keeps its stock path: %s", self.role, self.label, err)
             self._record(t, "stock", False, False, None)
             return self._stock_or_fail(kv_shards, str(err), *stock)
-        layout = plan.layout
         skip = settings.skip if settings.mode == "trtllm" else None
         quant = settings.quant if settings.mode == "trtllm" else None
         if skip is not None and skip.configured and skip.gated and t is None:
             skip = self._ungated_skip(skip)
         observer = self.processor._call_observer
         if observer is not None:  # calibrate(): sees every call's Q, K and layout
+            layout = plan.layout or self.processor._layouts.dense(query.shape[0], query.shape[1], key.shape[1],
+                                                                  query.device)
             observer(self, t, layout, query, key, scale)
         out, result = run_attention(
-            query, key, value, layout=layout, softmax_scale=scale, skip=skip, quant=quant, timestep=t,
+            query, key, value, layout=plan.layout, softmax_scale=scale, skip=skip, quant=quant, timestep=t,
             backend=settings.backend, fallback=settings.fallback, role=self.role,
             collect_stats=self.processor.collect_stats, policy=settings.policy, honour=settings.honour,
             return_lse=kv_shards > 0, kv_shards=max(kv_shards, 1),
@@ -308,11 +313,12 @@ class LayerState:
         return t if t is not None or self.tracker.timed else self.processor._fallback_timestep
 
     def _plan(self, query, key, attn_mask, mask_source) -> _MaskPlan:
-        """The layout of this call (cached per mask, so one sync per forward)."""
+        """The layout of a masked call (cached per mask, so one sync per forward); an unmasked call's is
+        ``run_attention``'s, kept in its plan (no lookup here: issue 57)."""
+        if attn_mask is None:
+            return _UNMASKED
         batch, q_len, kv_len = query.shape[0], query.shape[1], key.shape[1]
         cache = self.processor._layouts
-        if attn_mask is None:
-            return _MaskPlan(cache.dense(batch, q_len, kv_len, query.device))
 
         def build() -> _MaskPlan:
             try:
