@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from .._logging import info_once, warn_once
-from ..attention import build_layout, run_attention
+from ..attention import _run_nhd, build_layout
 from ..config import SkipSoftmaxConfig
 from ..layout import MaskNotSupportedError, PackedLayout, query_key_masks
 from ..stats import LayerStats, StepRecord
@@ -279,12 +279,12 @@ class LayerState:
             layout = plan.layout or self.processor._layouts.dense(query.shape[0], query.shape[1], key.shape[1],
                                                                   query.device)
             observer(self, t, layout, query, key, scale)
-        out, result = run_attention(
-            query, key, value, layout=plan.layout, softmax_scale=scale, skip=skip, quant=quant, timestep=t,
-            backend=settings.backend, fallback=settings.fallback, role=self.role,
-            collect_stats=self.processor.collect_stats, policy=settings.policy, honour=settings.honour,
-            return_lse=kv_shards > 0, kv_shards=max(kv_shards, 1),
-            stock=None if plan.padded else lambda: intercept.stock_attention(self, *stock),
+        # run_attention on [B, S, H, D], by position (issue 57): attn_mask, layout, softmax_scale, skip, quant,
+        # timestep, backend, fallback, role, collect_stats, layout_cache, policy, honour, return_lse, kv_shards, stock
+        out, result = _run_nhd(
+            query, key, value, None, plan.layout, scale, skip, quant, t, settings.backend, settings.fallback, self.role,
+            self.processor.collect_stats, None, settings.policy, settings.honour, kv_shards > 0, max(kv_shards, 1),
+            None if plan.padded else lambda: intercept.stock_attention(self, *stock),
         )
         if plan.padded:
             out = self._stock_rows(out, plan, query, key, value, attn_mask, scale, via_sdpa)
