@@ -261,18 +261,20 @@ class LayerState:
             return self._stock_or_fail(kv_shards, f"its role {self.role!r} is set to 'stock'", *stock)
         t = self._timestep(timestep)
         if query.shape[1] == 0 or key.shape[1] == 0:
-            self._record(t, "stock", False, False, None)
+            self._record(t, "stock")
             return self._stock_or_fail(kv_shards, "it has no queries or keys", *stock)
         try:
             plan = self._plan(query, key, attn_mask, mask_source)
         except MaskNotSupportedError as err:
             warn_once(("stock-mask", self.role, type(self.stock).__name__),
                       "TrtllmAttnProcessor: %s attention (%s) keeps its stock path: %s", self.role, self.label, err)
-            self._record(t, "stock", False, False, None)
+            self._record(t, "stock")
             return self._stock_or_fail(kv_shards, str(err), *stock)
-        skip = settings.skip if settings.mode == "trtllm" else None
-        quant = settings.quant if settings.mode == "trtllm" else None
-        if skip is not None and skip.configured and skip.gated and t is None:
+        trtllm = settings.mode == "trtllm"
+        # Skip-softmax not configured runs as no skip at all: None (the call's plan key then hashes no config).
+        skip = settings.skip if trtllm and settings.skip.configured else None
+        quant = settings.quant if trtllm else None
+        if skip is not None and skip.gated and t is None:
             skip = self._ungated_skip(skip)
         observer = self.processor._call_observer
         if observer is not None:  # calibrate(): sees every call's Q, K and layout
@@ -288,7 +290,7 @@ class LayerState:
         )
         if plan.padded:
             out = self._stock_rows(out, plan, query, key, value, attn_mask, scale, via_sdpa)
-        self._record(t, result.route, result.sparse, result.sage, result)
+        self._record(t, result.route, result.sparse, result.sage, result.skipped_tiles, result.total_tiles, result.note)
         return out, result.lse
 
     def _ungated_skip(self, skip: SkipSoftmaxConfig) -> SkipSoftmaxConfig | None:
@@ -352,13 +354,15 @@ class LayerState:
     def record_stock(self, why: str) -> None:
         """Count a call that never reached our op (autograd on, a causal call, ...) as ``stock``, saying why."""
         tensor = self.tracker.tensor if self.tracker is not None else None
-        self._record(self._timestep(tensor), "stock", False, False, None, note=why)
+        self._record(self._timestep(tensor), "stock", note=why)
 
-    def _record(self, t: float | None, route: str, sparse: bool, sage: bool, result: Any, note: str | None = None) -> None:
-        step = self.tracker.count_call() if self.tracker is not None else None
+    def _record(self, t: float | None, route: str, sparse: bool = False, sage: bool = False,
+                skipped_tiles: int | None = None, total_tiles: int | None = None, note: str | None = None) -> None:
+        tracker = self.tracker
+        if tracker is None:
+            run = step = None
+        else:
+            step = tracker.count_call()  # (first: it may start a new run)
+            run = tracker.run
         self.calls += 1
-        self.stats.add(
-            self.tracker.run if self.tracker is not None else None, step, t, route, sparse, sage,
-            getattr(result, "skipped_tiles", None), getattr(result, "total_tiles", None),
-            note or getattr(result, "note", None),
-        )
+        self.stats.add(run, step, t, route, sparse, sage, skipped_tiles, total_tiles, note)
