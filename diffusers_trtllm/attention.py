@@ -352,8 +352,8 @@ def _execute(plan: _Plan, query, key, value, factor: float | None,
         out = stock()
         return out, AttentionResult(out, "sdpa", note=plan.note)
     layout = plan.layout
-    call = AttentionCall.assemble(plan.fixed, *layout.pack(query, key, value), factor if plan.skip else None)
-    result = plan.route.run(call)
+    q, k, v = layout.pack(query, key, value)
+    result = plan.route.run(AttentionCall.assemble(plan.fixed, q, k, v, factor if plan.skip else None))
     result.sparse, result.sage, result.note = plan.skip, plan.sage, plan.note
     if result.lse is not None:
         result.lse = layout.unpack_q(result.lse[..., None])[..., 0]
