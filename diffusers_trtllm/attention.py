@@ -243,7 +243,8 @@ def _run_nhd(query, key, value, attn_mask, layout, softmax_scale, skip, quant, t
     plan (``_PLANS``), any other is decided afresh."""
     _check_scalars(softmax_scale, timestep)
     skip = SkipSoftmaxConfig.coerce(skip)
-    if attn_mask is None and type(query) is type(key) is type(value) is torch.Tensor and len(key_shape := key.shape) == 4:
+    plain = attn_mask is None and type(query) is type(key) is type(value) is torch.Tensor
+    if plain and len(key_shape := key.shape) == 4:
         kv_len = layout.max_seqlen_kv if layout is not None else key_shape[1]
         factor = resolve_skip_factor(skip, kv_len, timestep, role, kv_shards)
         try:
