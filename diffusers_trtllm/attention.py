@@ -86,11 +86,13 @@ def resolve_quant(quant: QuantConfig | None, layout: PackedLayout, role: str = "
 def build_layout(
     query: torch.Tensor, key: torch.Tensor, attn_mask: torch.Tensor | None, cache: LayoutCache | None = None
 ) -> PackedLayout:
-    """Layout of ``[batch, tokens, heads, dim]`` inputs under an optional key-padding mask."""
+    """Layout of ``[batch, tokens, heads, dim]`` inputs under an optional key-padding mask; ``cache`` keeps one per
+    mask object, and one per shape of unmasked inputs."""
     batch, q_len = query.shape[:2]
     kv_len = key.shape[1]
     if attn_mask is None:
-        return PackedLayout.dense(batch, q_len, kv_len, query.device)
+        return PackedLayout.dense(batch, q_len, kv_len, query.device) if cache is None else cache.dense(
+            batch, q_len, kv_len, query.device)
 
     def build() -> PackedLayout:
         kv_mask = key_padding_mask(attn_mask, batch, q_len, kv_len)
@@ -257,7 +259,7 @@ def _run_nhd(query, key, value, attn_mask, layout, softmax_scale, skip, quant, t
             plan_key = plan = None
         if plan is None or (layout is not None and plan.layout is not layout):
             plan = _decide(query, key, value, None, layout, softmax_scale, skip, factor, quant, backend, fallback,
-                           role, collect_stats, policy, honour, return_lse, kv_shards, stock is not None, None)
+                           role, collect_stats, policy, honour, return_lse, kv_shards, stock is not None, layout_cache)
             if plan_key is not None:
                 _bounded_put(_PLANS, plan_key, plan, _PLANS_MAX)
         return _execute(plan, query, key, value, factor, stock)

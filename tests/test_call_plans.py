@@ -218,3 +218,15 @@ def test_a_calibration_renewed_between_calls_is_seen(routed):
         state.refresh()
         _serve(state, q, k, v)
     assert [call.skip_factor for call in routed] == [2.0, 3.0]
+
+
+def test_layers_of_one_shape_share_the_processors_layout(decisions, routed):
+    model, _ = tiny_models.build("flux")
+    proc = TrtllmAttnProcessor(backend="reference", policy="always")
+    install(model, proc)
+    joint, single = (layer_of(m.attn) for m in (model.transformer_blocks[0], model.single_transformer_blocks[0]))
+    q, k, v = _qkv(24)
+    _serve(joint, q, k, v)
+    proc.collect_stats = True  # (another plan)
+    _serve(single, q, k, v)
+    assert routed[0].layout is routed[1].layout, "one layout per shape (FlashInfer plans once per layout)"

@@ -98,7 +98,8 @@ class Calibration:
 @dataclass(frozen=True)
 class _MaskPlan:
     """How a masked call runs: our kernel over ``layout``; queries at ``padded`` (per batch row) stock.
-    ``layout`` None: unmasked, laid out by ``run_attention`` within the plan it keeps for the call's shapes."""
+    ``layout`` None: unmasked, laid out by ``run_attention`` (from the processor's layout cache, so every layer of a
+    shape shares one: FlashInfer plans once per layout) within the plan it keeps for the call's shapes."""
 
     layout: PackedLayout | None
     padded: tuple[Optional[torch.Tensor], ...] = ()
@@ -278,14 +279,13 @@ class LayerState:
             skip = self._ungated_skip(skip)
         observer = self.processor._call_observer
         if observer is not None:  # calibrate(): sees every call's Q, K and layout
-            layout = plan.layout or self.processor._layouts.dense(query.shape[0], query.shape[1], key.shape[1],
-                                                                  query.device)
-            observer(self, t, layout, query, key, scale)
+            observer(self, t, plan.layout or build_layout(query, key, None, self.processor._layouts), query, key, scale)
         # run_attention on [B, S, H, D], by position (issue 57): attn_mask, layout, softmax_scale, skip, quant,
         # timestep, backend, fallback, role, collect_stats, layout_cache, policy, honour, return_lse, kv_shards, stock
         out, result = _run_nhd(
             query, key, value, None, plan.layout, scale, skip, quant, t, settings.backend, settings.fallback, self.role,
-            self.processor.collect_stats, None, settings.policy, settings.honour, kv_shards > 0, max(kv_shards, 1),
+            self.processor.collect_stats, self.processor._layouts, settings.policy, settings.honour, kv_shards > 0,
+            max(kv_shards, 1),
             None if plan.padded else lambda: intercept.stock_attention(self, *stock),
         )
         if plan.padded:
