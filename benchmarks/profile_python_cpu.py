@@ -2,6 +2,7 @@
 machine without a GPU: ``profile_call.py``'s ``python_us`` where it cannot run.
 
     python benchmarks/profile_python_cpu.py [--quant int8] [--backend reference] [--calls 20000]
+    python benchmarks/profile_python_cpu.py --quant ''      (dense: no SAGE)
 
 A tiny Flux's first joint attention layer, bound by ``install``, served through ``LayerState.serve`` (as a
 Diffusers model's eager forward calls it) and through ``attention`` directly, on CPU tensors of Flux 1024²'s
@@ -41,11 +42,12 @@ def cpu_us(fn, calls: int, repeats: int = 5) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quant", default="int8")
+    p.add_argument("--quant", default="int8", help="SAGE dtype; '' for none (dense)")
     p.add_argument("--backend", default="reference")
     p.add_argument("--tokens", type=int, default=4608, help="image and text tokens (Flux 1024²: 4,096 + 512)")
     p.add_argument("--calls", type=int, default=20000)
     args = p.parse_args()
+    args.quant = args.quant or None
     import tiny_models
 
     model, _ = tiny_models.build("flux")

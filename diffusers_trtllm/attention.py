@@ -86,11 +86,13 @@ def resolve_quant(quant: QuantConfig | None, layout: PackedLayout, role: str = "
 def build_layout(
     query: torch.Tensor, key: torch.Tensor, attn_mask: torch.Tensor | None, cache: LayoutCache | None = None
 ) -> PackedLayout:
-    """Layout of ``[batch, tokens, heads, dim]`` inputs under an optional key-padding mask."""
+    """Layout of ``[batch, tokens, heads, dim]`` inputs under an optional key-padding mask; ``cache`` keeps one per
+    mask object, and one per shape of unmasked inputs."""
     batch, q_len = query.shape[:2]
     kv_len = key.shape[1]
     if attn_mask is None:
-        return PackedLayout.dense(batch, q_len, kv_len, query.device)
+        return PackedLayout.dense(batch, q_len, kv_len, query.device) if cache is None else cache.dense(
+            batch, q_len, kv_len, query.device)
 
     def build() -> PackedLayout:
         kv_mask = key_padding_mask(attn_mask, batch, q_len, kv_len)
@@ -214,6 +216,15 @@ def run_attention(
     ``attn_mask`` and ``layout`` do not depend on ``tensor_layout``; ``result.lse`` follows it (``[batch, heads,
     q_tokens]`` for ``"HND"``).
     """
+    return _run(query, key, value, tensor_layout, attn_mask, layout, softmax_scale, skip, quant, timestep, backend,
+                fallback, role, collect_stats, layout_cache, policy, honour, return_lse, kv_shards, stock)
+
+
+def _run(query, key, value, tensor_layout, attn_mask, layout, softmax_scale, skip, quant, timestep, backend, fallback,
+         role, collect_stats, layout_cache, policy, honour, return_lse,
+         kv_shards, stock) -> tuple[torch.Tensor, AttentionResult]:
+    """``run_attention``'s work, its arguments by position: a call by a dozen keywords costs about 0.5 us of CPU
+    more (issue 57)."""
     check_tensor_layout(tensor_layout)
     if tensor_layout == "HND":  # checked as passed (errors name the caller's shapes), then run as NHD views
         check_tensors(query, key, value, tensor_layout)
@@ -232,13 +243,18 @@ def _run_nhd(query, key, value, attn_mask, layout, softmax_scale, skip, quant, t
              stock) -> tuple[torch.Tensor, AttentionResult]:
     """``run_attention`` on ``[batch, tokens, heads, dim]`` tensors: a call of known shapes and settings reuses its
     plan (``_PLANS``), any other is decided afresh."""
-    _check_scalars(softmax_scale, timestep)
-    skip = SkipSoftmaxConfig.coerce(skip)
-    if attn_mask is None and type(query) is type(key) is type(value) is torch.Tensor and key.ndim == 4:
-        kv_len = layout.max_seqlen_kv if layout is not None else key.shape[1]
-        factor = resolve_skip_factor(skip, kv_len, timestep, role, kv_shards)
+    # The usual call passes no scale, timestep nor skip-softmax: nothing to check, coerce or resolve (the calls
+    # skipped cost ~0.2 us; issue 57).
+    if softmax_scale is not None or timestep is not None:
+        _check_scalars(softmax_scale, timestep)
+    if skip is not None:
+        skip = SkipSoftmaxConfig.coerce(skip)
+    plain = attn_mask is None and type(query) is type(key) is type(value) is torch.Tensor
+    if plain and len(key_shape := key.shape) == 4:
+        kv_len = layout.max_seqlen_kv if layout is not None else key_shape[1]
+        factor = None if skip is None else resolve_skip_factor(skip, kv_len, timestep, role, kv_shards)
         try:
-            plan_key = (query.shape, key.shape, value.shape, query.dtype, key.dtype, value.dtype, query.device,
+            plan_key = (query.shape, key_shape, value.shape, query.dtype, key.dtype, value.dtype, query.device,
                         key.device, value.device, id(layout), softmax_scale, skip, quant, factor is None, backend,
                         fallback, role, collect_stats, policy, frozenset(honour), return_lse, kv_shards, stock is None,
                         registry_epoch())
@@ -247,7 +263,7 @@ def _run_nhd(query, key, value, attn_mask, layout, softmax_scale, skip, quant, t
             plan_key = plan = None
         if plan is None or (layout is not None and plan.layout is not layout):
             plan = _decide(query, key, value, None, layout, softmax_scale, skip, factor, quant, backend, fallback,
-                           role, collect_stats, policy, honour, return_lse, kv_shards, stock is not None, None)
+                           role, collect_stats, policy, honour, return_lse, kv_shards, stock is not None, layout_cache)
             if plan_key is not None:
                 _bounded_put(_PLANS, plan_key, plan, _PLANS_MAX)
         return _execute(plan, query, key, value, factor, stock)
@@ -271,19 +287,16 @@ _PLANS_MAX = 1024
 
 @dataclass(frozen=True)
 class _Plan:
-    """A decided call: its layout, the request the policy kept (skip on or off, SAGE settings), the route that
-    runs it (None: the caller's stock call), the policy's note."""
+    """A decided call: its layout, whether skip-softmax and SAGE stay on (what the policy kept of the request),
+    the route that runs it (None: the caller's stock call), the policy's note, and its ``AttentionCall``'s
+    fields but the tensors and the skip factor (``AttentionCall.fixed_fields``)."""
 
     layout: PackedLayout
-    softmax_scale: float
     skip: bool
-    quant: QuantConfig | None
+    sage: bool
     route: Route | None
     note: str | None
-    collect_stats: bool
-    role: str
-    return_lse: bool
-    kv_shards: int
+    fixed: Mapping[str, Any]
 
 
 def _decide(query, key, value, attn_mask, layout, softmax_scale, skip, factor, quant, backend, fallback, role,
@@ -297,10 +310,11 @@ def _decide(query, key, value, attn_mask, layout, softmax_scale, skip, factor, q
     else:
         _check_layout(layout, query, key)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(query.shape[-1])
+    q, k, v = layout.pack(query, key, value)
     call = AttentionCall(
-        q=layout.pack_q(query),
-        k=layout.pack_kv(key),
-        v=layout.pack_kv(value),
+        q=q,
+        k=k,
+        v=v,
         layout=layout,
         softmax_scale=scale,
         skip_factor=factor,
@@ -334,8 +348,8 @@ def _decide(query, key, value, attn_mask, layout, softmax_scale, skip, factor, q
         call = dense
     dense_call = call.skip_factor is None and call.quant is None
     stock = route.name == "sdpa" and has_stock and dense_call and not return_lse
-    return _Plan(layout, scale, call.skip_factor is not None, call.quant, None if stock else route,
-                 decision.note or (STOCK_SDPA_NOTE if stock else None), collect_stats, role, return_lse, kv_shards)
+    return _Plan(layout, call.skip_factor is not None, call.quant is not None, None if stock else route,
+                 decision.note or (STOCK_SDPA_NOTE if stock else None), call.fixed_fields())
 
 
 def _execute(plan: _Plan, query, key, value, factor: float | None,
@@ -345,11 +359,9 @@ def _execute(plan: _Plan, query, key, value, factor: float | None,
         out = stock()
         return out, AttentionResult(out, "sdpa", note=plan.note)
     layout = plan.layout
-    call = AttentionCall(layout.pack_q(query), layout.pack_kv(key), layout.pack_kv(value), layout, plan.softmax_scale,
-                         factor if plan.skip else None, plan.quant, plan.collect_stats, plan.role, plan.return_lse,
-                         plan.kv_shards)
-    result = plan.route.run(call)
-    result.sparse, result.sage, result.note = plan.skip, plan.quant is not None, plan.note
+    q, k, v = layout.pack(query, key, value)
+    result = plan.route.run(AttentionCall.assemble(plan.fixed, q, k, v, factor if plan.skip else None))
+    result.sparse, result.sage, result.note = plan.skip, plan.sage, plan.note
     if result.lse is not None:
         result.lse = layout.unpack_q(result.lse[..., None])[..., 0]
     return layout.unpack_q(result.out), result
@@ -382,6 +394,7 @@ def attention(
     """Attention of ``query``, ``key``, ``value`` in ``tensor_layout`` (``"NHD"``: ``[batch, tokens, heads, head_dim]``;
     ``"HND"``: ``[batch, heads, tokens, head_dim]``, SDPA's and ``sageattn``'s); the output is in the same layout.
     The other keywords are :func:`run_attention`'s, which also returns the route's result."""
-    return run_attention(query, key, value, tensor_layout=tensor_layout, attn_mask=attn_mask, layout=layout,
-                         softmax_scale=softmax_scale, skip=skip, quant=quant, timestep=timestep, backend=backend,
-                         fallback=fallback, collect_stats=collect_stats, policy=policy)[0]
+    # run_attention(...)[0], by position (its defaults: role "self", no layout cache, honour nothing, no
+    # log-sum-exp, one KV shard, no stock call)
+    return _run(query, key, value, tensor_layout, attn_mask, layout, softmax_scale, skip, quant, timestep, backend,
+                fallback, "self", collect_stats, None, policy, (), False, 1, None)[0]

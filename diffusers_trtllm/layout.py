@@ -8,6 +8,7 @@ Host-side lengths cost one device sync, done once per distinct mask (``LayoutCac
 
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable
@@ -209,13 +210,27 @@ class PackedLayout:
     def num_seqs(self) -> int:
         return len(self.q_lens)
 
-    @property
+    @functools.cached_property
     def total_q(self) -> int:
         return sum(self.q_lens)
 
-    @property
+    @functools.cached_property
     def total_kv(self) -> int:
         return sum(self.kv_lens)
+
+    @functools.cached_property
+    def in_place(self) -> bool:
+        """Every token of the flattened batch is valid, in order: packing is a flatten, with no index or slice."""
+        return (self.q_index is None and self.kv_index is None and self.total_q == self.batch * self.q_len
+                and self.total_kv == self.batch * self.kv_len)
+
+    def pack(self, query: torch.Tensor, key: torch.Tensor,
+             value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``pack_q(query), pack_kv(key), pack_kv(value)`` of tensors this layout describes (``run_attention``
+        checks them): an in-place layout's are one flatten each, about half ``pack_q``'s CPU time (issue 57)."""
+        if self.in_place:
+            return query.flatten(0, -3).contiguous(), key.flatten(0, -3).contiguous(), value.flatten(0, -3).contiguous()
+        return self.pack_q(query), self.pack_kv(key), self.pack_kv(value)
 
     def pack_q(self, x: torch.Tensor) -> torch.Tensor:
         """``[batch, q_len, heads, dim]`` (or already ``[tokens, heads, dim]``) to ``[total_q, heads, dim]``."""
@@ -226,9 +241,9 @@ class PackedLayout:
 
     def unpack_q(self, out: torch.Tensor) -> torch.Tensor:
         """``[total_q, heads, dim]`` back to ``[batch, q_len, heads, dim]``; padded queries are zero rows."""
-        heads, dim = out.shape[-2:]
+        tokens, heads, dim = out.shape
         flat_len = self.batch * self.q_len
-        if self.q_index is None and out.shape[0] == flat_len:
+        if self.q_index is None and tokens == flat_len:
             return out.reshape(self.batch, self.q_len, heads, dim)
         full = out.new_zeros(flat_len, heads, dim)
         if self.q_index is None:
@@ -239,7 +254,7 @@ class PackedLayout:
 
 
 def _pack(x: torch.Tensor, index: torch.Tensor | None, total: int) -> torch.Tensor:
-    flat = x.reshape(-1, *x.shape[-2:])
+    flat = x.flatten(0, -3)  # one call: reshape(-1, *x.shape[-2:]) reads the shape first (issue 57)
     if index is not None:
         return flat.index_select(0, index)
     return flat[:total].contiguous() if flat.shape[0] != total else flat.contiguous()

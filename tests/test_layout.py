@@ -81,6 +81,28 @@ def test_suffix_padding_shortcut():
     assert torch.equal(out[0, :6], x[:6]) and torch.all(out[0, 6:] == 0)
 
 
+def _layouts():
+    kv_mask = torch.tensor([[True, True, False, True, True, True, True], [True] * 7])
+    return {
+        "dense": PackedLayout.dense(2, 7, 7, "cpu"),
+        "masked": PackedLayout.from_masks(2, 7, 7, kv_mask=kv_mask),
+        "ragged": PackedLayout.from_cu_seqlens(_cu([0, 3, 7]), _cu([0, 4, 7]), 4, 4, q_tokens=7, kv_tokens=7),
+        "suffix": PackedLayout.from_cu_seqlens(_cu([0, 5]), _cu([0, 6]), 5, 6, q_tokens=7, kv_tokens=7,
+                                               valid_q_tokens=5, valid_kv_tokens=6),
+    }
+
+
+@pytest.mark.parametrize("kind", ["dense", "masked", "ragged", "suffix"])
+def test_pack_is_pack_q_and_pack_kv(kind):
+    layout = _layouts()[kind]
+    assert layout.in_place == (kind in ("dense", "ragged")), "only where every token is valid and in place"
+    # Non-contiguous [batch, tokens, heads, dim] views, as a transposed projection gives them.
+    q, k, v = (torch.randn(layout.batch, 3, 7, 2).transpose(1, 2) for _ in range(3))
+    packed = layout.pack(q, k, v)
+    for got, want in zip(packed, (layout.pack_q(q), layout.pack_kv(k), layout.pack_kv(v))):
+        assert got.is_contiguous() and torch.equal(got, want)
+
+
 @pytest.mark.parametrize(
     "args, kwargs, needle",
     [

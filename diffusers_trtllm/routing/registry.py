@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar, Mapping
 
 import torch
 
@@ -55,6 +55,21 @@ class AttentionCall:
     return_lse: bool = False
     #: The keys are one of this many equal KV shards of the sequence (ring attention's degree).
     kv_shards: int = 1
+
+    def fixed_fields(self) -> dict[str, Any]:
+        """Every field but the tensors and the skip factor: what ``attention``'s plans keep (``assemble``)."""
+        return {name: value for name, value in vars(self).items() if name not in ("q", "k", "v", "skip_factor")}
+
+    @classmethod
+    def assemble(cls, fixed: Mapping[str, Any], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 skip_factor: float | None) -> "AttentionCall":
+        """The call of ``fixed`` (``fixed_fields()`` of a checked call) on these tensors, built without the
+        frozen ``__init__``'s ``object.__setattr__`` per field (about 1 us of CPU a call; issue 57)."""
+        call = object.__new__(cls)
+        fields = call.__dict__
+        fields.update(fixed)
+        fields["q"], fields["k"], fields["v"], fields["skip_factor"] = q, k, v, skip_factor
+        return call
 
     def describe(self) -> str:
         tokens, heads, dim = self.q.shape

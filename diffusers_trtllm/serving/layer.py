@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from .._logging import info_once, warn_once
-from ..attention import build_layout, run_attention
+from ..attention import _run_nhd, build_layout
 from ..config import SkipSoftmaxConfig
 from ..layout import MaskNotSupportedError, PackedLayout, query_key_masks
 from ..stats import LayerStats, StepRecord
@@ -97,10 +97,15 @@ class Calibration:
 
 @dataclass(frozen=True)
 class _MaskPlan:
-    """How a masked call runs: our kernel over ``layout``; queries at ``padded`` (per batch row) stock."""
+    """How a masked call runs: our kernel over ``layout``; queries at ``padded`` (per batch row) stock.
+    ``layout`` None: unmasked, laid out by ``run_attention`` (from the processor's layout cache, so every layer of a
+    shape shares one: FlashInfer plans once per layout) within the plan it keeps for the call's shapes."""
 
-    layout: PackedLayout
+    layout: PackedLayout | None
     padded: tuple[Optional[torch.Tensor], ...] = ()
+
+
+_UNMASKED = _MaskPlan(None)
 
 
 class LayerState:
@@ -257,33 +262,35 @@ class LayerState:
             return self._stock_or_fail(kv_shards, f"its role {self.role!r} is set to 'stock'", *stock)
         t = self._timestep(timestep)
         if query.shape[1] == 0 or key.shape[1] == 0:
-            self._record(t, "stock", False, False, None)
+            self._record(t, "stock")
             return self._stock_or_fail(kv_shards, "it has no queries or keys", *stock)
         try:
             plan = self._plan(query, key, attn_mask, mask_source)
         except MaskNotSupportedError as err:
             warn_once(("stock-mask", self.role, type(self.stock).__name__),
                       "TrtllmAttnProcessor: %s attention (%s) keeps its stock path: %s", self.role, self.label, err)
-            self._record(t, "stock", False, False, None)
+            self._record(t, "stock")
             return self._stock_or_fail(kv_shards, str(err), *stock)
-        layout = plan.layout
-        skip = settings.skip if settings.mode == "trtllm" else None
-        quant = settings.quant if settings.mode == "trtllm" else None
-        if skip is not None and skip.configured and skip.gated and t is None:
+        trtllm = settings.mode == "trtllm"
+        # Skip-softmax not configured runs as no skip at all: None (the call's plan key then hashes no config).
+        skip = settings.skip if trtllm and settings.skip.configured else None
+        quant = settings.quant if trtllm else None
+        if skip is not None and skip.gated and t is None:
             skip = self._ungated_skip(skip)
         observer = self.processor._call_observer
         if observer is not None:  # calibrate(): sees every call's Q, K and layout
-            observer(self, t, layout, query, key, scale)
-        out, result = run_attention(
-            query, key, value, layout=layout, softmax_scale=scale, skip=skip, quant=quant, timestep=t,
-            backend=settings.backend, fallback=settings.fallback, role=self.role,
-            collect_stats=self.processor.collect_stats, policy=settings.policy, honour=settings.honour,
-            return_lse=kv_shards > 0, kv_shards=max(kv_shards, 1),
-            stock=None if plan.padded else lambda: intercept.stock_attention(self, *stock),
+            observer(self, t, plan.layout or build_layout(query, key, None, self.processor._layouts), query, key, scale)
+        # run_attention on [B, S, H, D], by position (issue 57): attn_mask, layout, softmax_scale, skip, quant,
+        # timestep, backend, fallback, role, collect_stats, layout_cache, policy, honour, return_lse, kv_shards, stock
+        out, result = _run_nhd(
+            query, key, value, None, plan.layout, scale, skip, quant, t, settings.backend, settings.fallback, self.role,
+            self.processor.collect_stats, self.processor._layouts, settings.policy, settings.honour, kv_shards > 0,
+            max(kv_shards, 1),
+            None if plan.padded else lambda: intercept.stock_attention(self, *stock),
         )
         if plan.padded:
             out = self._stock_rows(out, plan, query, key, value, attn_mask, scale, via_sdpa)
-        self._record(t, result.route, result.sparse, result.sage, result)
+        self._record(t, result.route, result.sparse, result.sage, result.skipped_tiles, result.total_tiles, result.note)
         return out, result.lse
 
     def _ungated_skip(self, skip: SkipSoftmaxConfig) -> SkipSoftmaxConfig | None:
@@ -308,11 +315,12 @@ class LayerState:
         return t if t is not None or self.tracker.timed else self.processor._fallback_timestep
 
     def _plan(self, query, key, attn_mask, mask_source) -> _MaskPlan:
-        """The layout of this call (cached per mask, so one sync per forward)."""
+        """The layout of a masked call (cached per mask, so one sync per forward); an unmasked call's is
+        ``run_attention``'s, kept in its plan (no lookup here: issue 57)."""
+        if attn_mask is None:
+            return _UNMASKED
         batch, q_len, kv_len = query.shape[0], query.shape[1], key.shape[1]
         cache = self.processor._layouts
-        if attn_mask is None:
-            return _MaskPlan(cache.dense(batch, q_len, kv_len, query.device))
 
         def build() -> _MaskPlan:
             try:
@@ -346,13 +354,15 @@ class LayerState:
     def record_stock(self, why: str) -> None:
         """Count a call that never reached our op (autograd on, a causal call, ...) as ``stock``, saying why."""
         tensor = self.tracker.tensor if self.tracker is not None else None
-        self._record(self._timestep(tensor), "stock", False, False, None, note=why)
+        self._record(self._timestep(tensor), "stock", note=why)
 
-    def _record(self, t: float | None, route: str, sparse: bool, sage: bool, result: Any, note: str | None = None) -> None:
-        step = self.tracker.count_call() if self.tracker is not None else None
+    def _record(self, t: float | None, route: str, sparse: bool = False, sage: bool = False,
+                skipped_tiles: int | None = None, total_tiles: int | None = None, note: str | None = None) -> None:
+        tracker = self.tracker
+        if tracker is None:
+            run = step = None
+        else:
+            step = tracker.count_call()  # (first: it may start a new run)
+            run = tracker.run
         self.calls += 1
-        self.stats.add(
-            self.tracker.run if self.tracker is not None else None, step, t, route, sparse, sage,
-            getattr(result, "skipped_tiles", None), getattr(result, "total_tiles", None),
-            note or getattr(result, "note", None),
-        )
+        self.stats.add(run, step, t, route, sparse, sage, skipped_tiles, total_tiles, note)
