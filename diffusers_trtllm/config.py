@@ -343,6 +343,8 @@ class QuantConfig:
         to ``per_thread`` (where the block it ends with can be split, else False)."""
         size = self.k_block_size if self.k_block_size is not None else block
         split = self.k_per_thread if self.k_per_thread is not None else per_thread and size in K_PER_THREAD_BLOCKS
+        if size == self.k_block_size and split == self.k_per_thread:
+            return self  # nothing left to the route (a call's config, every call): no new config to build and check
         return replace(self, k_block_size=size, k_per_thread=split)
 
     @property

@@ -98,6 +98,8 @@ def test_k_per_thread_is_the_routes_unless_given():
     assert QuantConfig("int8", 1, 16).with_k_block(128, per_thread=True).k_per_thread is True
     assert QuantConfig("int8", k_per_thread=False).with_k_block(128, per_thread=True).k_per_thread is False
     assert QuantConfig.from_kwargs({"dtype_qk": "int8", "k_per_thread": True}).k_per_thread is True
+    settled = QuantConfig("int8", 1, 128, k_per_thread=True)
+    assert settled.with_k_block(16) is settled  # nothing left to the route: the same config, none built per call
 
 
 def test_quant_aliases():

@@ -19,7 +19,7 @@ from triton.compiler import CompiledKernel  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 from diffusers_trtllm.kernels import triton_launch  # noqa: E402
-from diffusers_trtllm.kernels.triton_launch import launch, launch_key  # noqa: E402
+from diffusers_trtllm.kernels.triton_launch import cdiv, launch, launch_key  # noqa: E402
 
 if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
     pytest.skip("this module's kernel must be a JITFunction (TRITON_INTERPRET is set)", allow_module_level=True)
@@ -132,3 +132,10 @@ def test_interpreter_takes_the_normal_path_with_the_same_results():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def test_cdiv_is_tritons():
+    """The host's grids: ``triton.cdiv``'s values without its constexpr-function call."""
+    for a in (0, 1, 127, 128, 129, 4608, 16896):
+        for b in (1, 16, 128):
+            assert cdiv(a, b) == triton.cdiv(a, b)

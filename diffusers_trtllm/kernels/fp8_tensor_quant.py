@@ -85,7 +85,7 @@ try:  # the fused CUDA quantizer; without Triton the torch path above runs every
     import triton
     import triton.language as tl
 
-    from .triton_launch import launch
+    from .triton_launch import cdiv, launch
 except ImportError:  # pragma: no cover - triton is a test dependency
     _triton_kernel = None
 else:
@@ -123,7 +123,7 @@ _BLOCK_T = 64
 def _launch(q, k, v, q8, kv8, qk_scales, k_mean, v_mean, v_scale) -> None:
     tokens_q, heads, dim = q.shape
     tokens_kv, kv_heads, _ = k.shape
-    grid = (triton.cdiv(max(tokens_q, tokens_kv), _BLOCK_T), heads)
+    grid = (cdiv(max(tokens_q, tokens_kv), _BLOCK_T), heads)
     launch(
         _triton_kernel, grid, q, k, v, q8, kv8, qk_scales, k_mean, v_mean, v_scale,
         tokens_q, tokens_kv,

@@ -89,6 +89,8 @@ try:  # optional: Gluon's Hopper module appeared in Triton 3.5
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     import triton.language as tl
+
+    from .triton_launch import cdiv
 except ImportError as exc:  # pragma: no cover - depends on the installed triton
     gluon = None
     _GLUON_MISSING: str | None = f"needs triton with Gluon's Hopper module (pip install 'triton>=3.6'): {exc}"
@@ -496,7 +498,7 @@ def gluon_attention(
     out = torch.empty(tokens_q, heads, dim, dtype=q.dtype, device=q.device)
     ops = kernel_operands(q, k, v, layout, quant, out, bm, bn, describe=_desc)
     stats = torch.zeros(1, dtype=torch.int32, device=q.device) if collect_stats else out  # out: never written
-    grid = (triton.cdiv(layout.max_seqlen_q, cfg.consumers * bm), layout.num_seqs * heads)
+    grid = (cdiv(layout.max_seqlen_q, cfg.consumers * bm), layout.num_seqs * heads)
     _attn_fwd[grid](
         *ops.descs, out, *ops.scales, stats,
         layout.cu_seqlens_q, layout.cu_seqlens_kv, softmax_scale * LOG2E,

@@ -38,7 +38,7 @@ try:
     import triton
     import triton.language as tl
 
-    from .triton_launch import launch
+    from .triton_launch import cdiv, launch
 except ImportError:  # the torch form serves every call
     triton = None
 
@@ -150,7 +150,7 @@ def _launch(query: torch.Tensor, key: torch.Tensor, freqs_cos: torch.Tensor, fre
 
     rotated = freqs_cos.shape[1]
     launch(
-        _rotate_kernel, (triton.cdiv(tokens, ROTARY_BLOCK_S), batch),
+        _rotate_kernel, (cdiv(tokens, ROTARY_BLOCK_S), batch),
         query, key, q_out, k_out, freqs_cos, freqs_sin, tokens, start, rotated, query.shape[2], key.shape[2],
         query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
         batch_stride(freqs_cos), freqs_cos.stride(1), batch_stride(freqs_sin), freqs_sin.stride(1),

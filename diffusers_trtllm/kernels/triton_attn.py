@@ -87,7 +87,7 @@ else:
 
 if triton is not None:
     from . import triton_quant
-    from .triton_launch import launch
+    from .triton_launch import cdiv, launch
     from triton.language.extra import libdevice
 
     from .reference import FP16_MAX
@@ -347,7 +347,7 @@ def triton_attention(
     quant_code = 0 if not sage else 1 if quant.dtype_qk == "int8" else 2
     stats = torch.zeros(1, dtype=torch.int32, device=q.device) if collect_stats else out  # out: never written
     lse = torch.empty(tokens_q, heads, dtype=torch.float32, device=q.device) if return_lse else out  # never written
-    grid = (triton.cdiv(layout.max_seqlen_q, bm), layout.num_seqs * heads)
+    grid = (cdiv(layout.max_seqlen_q, bm), layout.num_seqs * heads)
     launch(
         _attn_fwd, grid, *ops.descs, out, *ops.scales, stats, lse,
         layout.cu_seqlens_q, layout.cu_seqlens_kv, softmax_scale * LOG2E,

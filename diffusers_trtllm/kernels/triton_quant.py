@@ -54,7 +54,7 @@ from ..config import DEFAULT_K_BLOCK, QuantConfig
 from ..layout import PackedLayout
 from . import cuda_jit
 from .reference import AMAX_FLOOR, FP8_MAX, KEY_MEAN_SAMPLE, block_ids, scale_slots
-from .triton_launch import launch
+from .triton_launch import cdiv, launch
 
 __all__ = ["TritonSage", "sage_quantize_triton", "mma_key_column", "fp8_native", "interpreting", "round_fp8_grid", "vt_start", "max_nan", "kv_stats",
            "KVStats", "quant_launches"]
@@ -466,7 +466,7 @@ def kv_stats(k: torch.Tensor, v: torch.Tensor, smooth_k: bool) -> KVStats:
     ``reference.channel_mean``'s and K's ``reference.key_mean``'s up to fp32 rounding (summed in spans), not bit
     for bit (``reference.sage_quantize`` takes both as given)."""
     tokens, kv_heads, dim = v.shape
-    spans = triton.cdiv(tokens, V_STATS_ROWS)
+    spans = cdiv(tokens, V_STATS_ROWS)
     stats = torch.empty((5 + 4 * spans) * kv_heads * dim, dtype=torch.float32, device=v.device)
     launch(
         _q_and_stats_kernel, (spans * kv_heads,),  # no Q: K's pointers and zeros in its place, unread
@@ -510,7 +510,7 @@ def sage_quantize_triton(
         raise ValueError("quant.dtype_qk='fp8_e4m3' needs an SM89+ GPU; use dtype_qk='int8'.")
     n_q_blocks = scale_slots(layout.q_lens, quant.q_block_size)
     n_k_blocks = scale_slots(layout.kv_lens, quant.k_block_size, quant.k_per_thread)
-    spans = triton.cdiv(tokens_kv, V_STATS_ROWS)
+    spans = cdiv(tokens_kv, V_STATS_ROWS)
     # One float32 allocation for the small buffers: the stats [5, kv_heads, dim] (smooth_v always, docs/design.md,
     # "V's mean"), the spans' partials after them, then Q's and K's scales.
     q_scale_at = _aligned((5 + 4 * spans) * kv_heads * dim)
@@ -531,7 +531,7 @@ def sage_quantize_triton(
     )
     is_int8 = qk_dtype == torch.int8
     # Launch 1: the stats' spans, then Q tiles of QUANT_BLOCK_T tokens.
-    n_q_tiles = triton.cdiv(layout.max_seqlen_q, QUANT_BLOCK_T)
+    n_q_tiles = cdiv(layout.max_seqlen_q, QUANT_BLOCK_T)
     launch(
         _q_and_stats_kernel, (spans * kv_heads + n_q_tiles * layout.num_seqs * heads,),
         q, k, v, out.q, out.q_scale, floats, _tickets(device, kv_heads), layout.cu_seqlens_q,
@@ -544,8 +544,8 @@ def sage_quantize_triton(
     # Then K tiles of at least a K block (a tile starts whole blocks: _quantize_tile), V tiles of QUANT_BLOCK_T
     # columns over a sequence's keys and the gap after them.
     block_k = max(QUANT_BLOCK_T, quant.k_block_size)
-    n_k_tiles = triton.cdiv(layout.max_seqlen_kv, block_k)
-    n_v_tiles = triton.cdiv(layout.max_seqlen_kv + VT_GAP_MAX, QUANT_BLOCK_T)
+    n_k_tiles = cdiv(layout.max_seqlen_kv, block_k)
+    n_v_tiles = cdiv(layout.max_seqlen_kv + VT_GAP_MAX, QUANT_BLOCK_T)
     for parts in quant_launches(tokens_kv):
         tiles = (n_k_tiles if "k" in parts else 0, n_v_tiles if "v" in parts else 0)
         launch(
