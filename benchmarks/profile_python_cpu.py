@@ -6,7 +6,9 @@ machine without a GPU: ``profile_call.py``'s ``python_us`` where it cannot run.
 
 A tiny Flux's first joint attention layer, bound by ``install``, served through ``LayerState.serve`` (as a
 Diffusers model's eager forward calls it) and through ``attention`` directly, on CPU tensors of Flux 1024²'s
-shape (the plan cache keys on shapes, not values); the route's ``run`` returns a preallocated output.
+shape (the plan cache keys on shapes, not values); the route's ``run`` returns a preallocated output. With int8,
+``quantizer`` is the ``sage-sm90`` route's quantizer (``sage_quantize_triton``) with its two launches stubbed:
+its own Python, which an int8 call adds to the route's.
 """
 
 from __future__ import annotations
@@ -60,6 +62,8 @@ def main() -> None:
         "served": lambda: state.serve(q, k, v, None, None, None, None, args.tokens - text, text, False),
         "attention": lambda: attention(q, k, v, quant=args.quant, backend=args.backend, policy="always"),
     }
+    if args.quant == "int8":
+        calls["quantizer"] = _stubbed_quantizer(q[0], k[0], v[0])
     undo = _stub_routes()
     try:
         with torch.inference_mode():
@@ -67,6 +71,20 @@ def main() -> None:
                 print(f"{name:10s} {cpu_us(fn, args.calls):6.2f} us CPU per call (routes stubbed)")
     finally:
         undo()
+
+
+def _stubbed_quantizer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """``sage_sm90_quantize`` of packed Q, K, V with its launches (and the span counters they take) stubbed."""
+    from diffusers_trtllm.config import QuantConfig
+    from diffusers_trtllm.kernels import triton_quant
+    from diffusers_trtllm.kernels.sage_sm90 import sage_sm90_quantize
+    from diffusers_trtllm.layout import PackedLayout
+
+    triton_quant.launch = lambda *args, **kwargs: None
+    triton_quant._tickets = lambda device, kv_heads: None
+    layout = PackedLayout.dense(1, q.shape[0], k.shape[0], q.device)
+    quant = QuantConfig("int8")
+    return lambda: sage_sm90_quantize(q, k, v, layout, quant)
 
 
 if __name__ == "__main__":
