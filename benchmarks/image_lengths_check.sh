@@ -8,7 +8,12 @@
 #   `build`:   the sage-sm90 cubins, built in parallel ahead of the rest;
 #   `tests`:   the GPU tests of the quantizer, the sage-sm90 and triton routes and the fast path;
 #   `compile`: benchmarks/compile_check.py (our processor under torch.compile's three uses);
-#   `e2e`:     Flux.1-dev / Qwen-Image forwards (random weights) beside stock and SageAttention2, eager and compiled.
+#   `e2e`:     Flux.1-dev / Qwen-Image forwards (random weights) beside stock and SageAttention2, eager and compiled;
+#   `one-consumer`: the SAGE_SM90_CONSUMERS=1 build (CTAs of 64 query rows, two an SM) built, GPU-tested and timed
+#              against the default, kernel alone, in alternating rounds;
+#   `capture`: benchmarks/capture_probe.py (which copy breaks a CUDA graph capture of a served call);
+#   `e2e-profile`: where Flux.1-dev 1024²'s regional-compiled forward spends its GPU time, stock against our
+#              defaults, and our processor on cuDNN (`--backend sdpa`).
 # Carry .whl (and .jit, .cubin-cache where earlier calls returned them):
 #   bash benchmarks/image_lengths_check.sh profile sweep
 set -uo pipefail
@@ -50,6 +55,24 @@ for section in "$@"; do
   compile)  # regional / max-autotune-no-cudagraphs / reduce-overhead on a small Flux, defaults and int8
     timeout "${COMPILE_TIMEOUT:-240}" python3 benchmarks/compile_check.py --settings "${COMPILE_SETTINGS:-defaults,int8}" \
       --out "$out/compile_check.json" 2>&1 | grep "^{" ;;
+  one-consumer)
+    timeout 120 python3 -c "
+import torch; from diffusers_trtllm.kernels.sage_sm90 import VARIANTS, build_kernels
+print(len(build_kernels([v for v in VARIANTS if v.out_dtype == torch.bfloat16], [(), ('SAGE_SM90_CONSUMERS=1',)], 16)))
+" 2>&1 | tail -1
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_sage_sm90_gpu.py -k "one_consumer or default" 2>&1 \
+      | tee "$out/gpu_tests_one_consumer.log" | tail -4
+    timeout 150 python3 benchmarks/bench_sage_sm90.py --shapes "${SHAPES},mid_8704=1:8704:24:128" \
+      --builds default,one_consumer --quants k128t-smooth --k-mean 4 --target-skips "" --iters 20 --kernel-only-builds \
+      --alternate-builds --out "$out/sage_sm90_one_consumer.json" 2>&1 | grep -v "^\s*$" | tail -16 ;;
+  capture)
+    timeout 60 python3 benchmarks/capture_probe.py 2>&1 | tee "$out/capture_probe.log" | tail -14 ;;
+  e2e-profile)
+    for backend in auto sdpa; do
+      timeout 200 python3 benchmarks/profile_e2e.py --model flux.1-dev --weights random --compile regional \
+        --configs "$([ $backend = auto ] && echo stock,dense || echo dense)" --backend $backend --top 12 \
+        --out "$out/profile_e2e_flux_regional_$backend.json" 2>&1 | grep -v "^\s*$" | tail -34
+    done ;;
   pack)  # the cubins built here, for the next call's carry
     tar czf "$out/cubin-cache.tar.gz" .cubin-cache 2>/dev/null; save_jit ;;
   *) echo "unknown section $section" ;;
