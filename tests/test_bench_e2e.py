@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 
 import pytest
 import torch
@@ -150,6 +151,37 @@ def test_calibrated_row_loads_its_curve_or_says_why_not(tmp_path, one_thread, mo
     assert row.error is None and row.threshold == 0.25 and row.routes["self"] == "reference+skip"
     assert SETTINGS["skip-calibrated"].processor_kwargs(0.05, "auto") == {
         "backend": "auto", "policy": "auto", "target_sparsity": 0.5, "disabled_until_timestep": 0.0}
+
+
+def test_alternating_rounds_time_each_setting_beside_stock(tmp_path, one_thread, monkeypatch):
+    """``--alternate N``: every timed setting gets N stock/setting ratios, timed back to back with the setting
+    installed as it ran (a calibrated one with its curve and threshold), and ``vs_stock`` is their median; a row
+    that did not run gets none."""
+    from diffusers_trtllm.bench import e2e
+    from diffusers_trtllm.calibration.checkpoint import sparse_attention_config
+
+    curve = sparse_attention_config([("self_attention", 2.0, 1.0, None, None)], target_sparsity=0.5)
+    monkeypatch.setattr(e2e, "calibration_for", lambda crit, kv_len, target: (curve, 0.25))
+    installs = []
+    install = e2e._ModelBench.install
+    monkeypatch.setattr(e2e._ModelBench, "install", lambda self, setting, threshold, collect_stats=False,
+                        calibration=None: installs.append((setting.name, threshold, calibration is not None))
+                        or install(self, setting, threshold, collect_stats, calibration))
+    opts = E2EOptions(models=("wan2.1-t2v-14b",), configs=("dense", "skip-calibrated"), weights=("structured",),
+                      device="cpu", backend="reference", warmup=0, iters=1, variant="tiny", alternate=2)
+    _, rows = run_e2e(opts, show_progress=False)
+    by_config = {r.config: r for r in rows}
+    for name in ("dense", "skip-calibrated"):
+        row = by_config[name]
+        assert row.error is None and len(row.vs_stock_rounds) == 2
+        assert row.vs_stock == statistics.median(row.vs_stock_rounds)
+    assert by_config["stock"].vs_stock_rounds == []
+    assert [(name, calibrated) for name, _, calibrated in installs[-4:]] == [("stock", False), ("skip-calibrated", True)] * 2
+    assert installs[-1][1] == 0.25  # the calibrated row's own threshold
+    from diffusers_trtllm.bench.report import environment, write_e2e_markdown
+
+    write_e2e_markdown(tmp_path / "e2e.md", environment("cpu", ["e2e"]), opts, [], rows)
+    assert "the median over 2 rounds" in (tmp_path / "e2e.md").read_text()
 
 
 @pytest.mark.gpu

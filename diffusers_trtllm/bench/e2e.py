@@ -23,6 +23,7 @@ import contextlib
 import gc
 import logging
 import math
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -147,6 +148,9 @@ class E2EOptions:
     #: "full" (published configs), "tiny" (CPU tests) or "probe" (one block, two heads, full geometry).
     variant: str = "full"
     time_limit: float = math.inf
+    #: Rounds of stock and each setting timed back to back after the pass; ``vs_stock`` is then the median of the
+    #: rounds' ratios (0: stock's faster timing over the setting's one), which clock drift cannot favour.
+    alternate: int = 0
 
 
 @dataclass
@@ -159,6 +163,8 @@ class E2ERow:
     ms: float | None = None
     iters: int | None = None
     vs_stock: float | None = None
+    #: Each alternating round's stock time over this row's (``E2EOptions.alternate``).
+    vs_stock_rounds: list[float] = field(default_factory=list)
     rel_l1: float | None = None
     #: Reference's skipped-tile fraction of the self/joint calls at ``threshold`` (0 when they ran dense).
     skipped: float | None = None
@@ -366,7 +372,7 @@ class _ModelBench:
                 calibration: dict[str, Any] | None = None) -> Any:
         """Stock processors and Diffusers' default attention back, then (unless stock) Diffusers' backend of
         ``setting`` (returns None) or its processor with empty records and ``calibration`` loaded (returns it)."""
-        from .. import TrtllmAttnProcessor, load_calibration
+        from .. import TrtllmAttnProcessor, install, load_calibration
 
         self.model.set_attn_processor(dict(self.stock))  # Diffusers pops from the dict
         self.use_diffusers_backend(setting.diffusers_backend)
@@ -378,7 +384,7 @@ class _ModelBench:
             proc = TrtllmAttnProcessor(**setting.processor_kwargs(threshold, self.opts.backend), collect_stats=collect_stats)
             if not collect_stats:
                 self.processors[key] = proc
-        self.model.set_attn_processor(proc)
+        install(self.model, proc)  # binds every layer now: a processor put back would bind them at its first forward
         if calibration is not None:
             load_calibration(self.model, calibration)
         proc.reset_stats()
@@ -404,6 +410,8 @@ class _ModelBench:
         if stock_setting not in settings:
             settings.insert(0, stock_setting)
         pass_rows: list[E2ERow] = []
+        #: How each timed setting row was installed (setting, threshold, calibration), for the alternating rounds.
+        installed: dict[int, tuple[ProcessorSetting, float, dict[str, Any] | None]] = {}
         stock_out: torch.Tensor | None = None
         stock_ms: list[float] = []
         threshold = self.result.threshold.get(weights, opts.threshold)
@@ -437,7 +445,9 @@ class _ModelBench:
                     row.rel_l1 = 0.0
                     stock_ms.append(row.ms)
                 else:
-                    self._run_setting(row, setting, threshold, compiled, stock_out)
+                    calibration = self._run_setting(row, setting, threshold, compiled, stock_out)
+                    if row.ms is not None:
+                        installed[id(row)] = (setting, row.threshold or threshold, calibration)
             except Exception as err:  # one failing setting must not stop the others
                 row.error = f"{type(err).__name__}: {str(err)[:400]}"
                 log.warning("%s %s %s: %s", spec.name, weights, setting.name, row.error)
@@ -456,11 +466,33 @@ class _ModelBench:
             base = min(stock_ms)
             for row in pass_rows:
                 row.vs_stock = None if row.ms is None else base / row.ms
+        if stock_ms and self.opts.alternate > 0:
+            self._alternate(pass_rows, installed, stock_setting, deadline)
         self.model.set_attn_processor(dict(self.stock))  # Diffusers pops from the dict
         self.use_diffusers_backend(None)
 
+    def _alternate(self, rows: list[E2ERow], installed: dict[int, tuple[ProcessorSetting, float, dict | None]],
+                   stock_setting: ProcessorSetting, deadline: float) -> None:
+        """Each timed setting against stock in ``opts.alternate`` rounds, stock first in each, and its ``vs_stock``
+        the median of the rounds' ratios (within the time limit: rows without a round keep theirs)."""
+        for row in rows:
+            how = installed.get(id(row))
+            if how is None:
+                continue
+            setting, threshold, calibration = how
+            for _ in range(self.opts.alternate):
+                if time.monotonic() > deadline:
+                    break
+                self.install(stock_setting, threshold)
+                stock_ms = self.time()[0]
+                self.install(setting, threshold, calibration=calibration)
+                row.vs_stock_rounds.append(stock_ms / self.time()[0])
+            if row.vs_stock_rounds:
+                row.vs_stock = statistics.median(row.vs_stock_rounds)
+
     def _run_setting(self, row: E2ERow, setting: ProcessorSetting, threshold: float, compiled: bool,
-                     stock_out: torch.Tensor | None) -> None:
+                     stock_out: torch.Tensor | None) -> dict[str, Any] | None:
+        """Install, check and time one setting into ``row``; returns the calibration it loaded (None: none)."""
         calibration = None
         if setting.target_sparsity is not None:
             crit = self.crits.get(row.weights)
@@ -468,7 +500,7 @@ class _ModelBench:
             if fitted is None:
                 row.error = (f"not run: no threshold up to 1 skips {setting.target_sparsity + 0.1:.0%} of these weights' "
                              "tiles, so there is no curve to calibrate")
-                return
+                return None
             calibration, threshold = fitted
             row.threshold = threshold
         # Eager: the output forward also counts skipped tiles where a route can (a sync per call, so not timed).
@@ -480,7 +512,7 @@ class _ModelBench:
         if proc is None:  # Diffusers' own backend: no records of ours
             row.routes = {"all": f"diffusers {setting.diffusers_backend}"}
             row.ms, row.iters = self.time()
-            return
+            return None
         summary = processor_summary(proc)
         row.routes, row.policy, row.skipped_route = summary.routes, summary.policy, summary.skipped_route
         crit = self.crits.get(row.weights)
@@ -489,6 +521,7 @@ class _ModelBench:
         if setting.skip and not compiled:
             self.install(setting, threshold, calibration=calibration)  # timed without the counting
         row.ms, row.iters = self.time()
+        return calibration
 
     def close(self) -> None:
         self.model.set_attn_processor(dict(self.stock))  # Diffusers pops from the dict
@@ -659,6 +692,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ref-layers", type=int, default=4, help="self/joint attention calls sampled for the skip statistics")
     p.add_argument("--ref-heads", type=int, default=4, help="heads per sampled call")
     p.add_argument("--time-limit", type=float, default=math.inf, help="stop starting new items after this many seconds")
+    p.add_argument("--alternate", type=int, default=0, metavar="N",
+                   help="then time stock and each setting back to back N times; vs stock: the rounds' median ratio")
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
 
@@ -683,6 +718,7 @@ def main(argv: list[str] | None = None) -> Path | None:
         dtype=args.dtype, seed=args.seed, warmup=args.warmup, iters=args.iters, compile=args.compile,
         compile_backend=args.compile_backend, eager=not args.no_eager, stock_sdpa=args.stock_sdpa,
         ref_layers=args.ref_layers, ref_heads=args.ref_heads, variant=args.variant or "full", time_limit=args.time_limit,
+        alternate=args.alternate,
     )
     args.out.mkdir(parents=True, exist_ok=True)
     env = environment(args.device, ["e2e", *argv])

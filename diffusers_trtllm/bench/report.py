@@ -146,8 +146,10 @@ def write_e2e_markdown(path: Path, env: dict[str, Any], opts: Any, models: list[
         f"{opts.iters} CUDA-event timings after the output forward and {opts.warmup} warm-up forward(s). "
         "`vs stock`: stock time / this time, stock = Diffusers' own attention"
         f"{' with cuDNN SDPA' if opts.stock_sdpa == 'cudnn' else ''} in the same process on the same inputs and "
-        "weights (the faster of its two timings, before and after the settings); compiled rows against stock "
-        "compiled. `rel-L1`: against the stock output of the same mode. `skipped`: the fraction of self/joint "
+        + (f"weights, the median over {opts.alternate} rounds of stock and the setting timed back to back "
+           "(`vs_stock_rounds` in the JSON)" if getattr(opts, "alternate", 0) else
+           "weights (the faster of its two timings, before and after the settings)")
+        + "; compiled rows against stock compiled. `rel-L1`: against the stock output of the same mode. `skipped`: the fraction of self/joint "
         "attention tiles the reference skips at the row's threshold, on Q/K recorded from the stock forward "
         f"({opts.ref_layers} calls x {opts.ref_heads} heads, fmha-v2 tiles); `route skipped`: the routes' own count "
         "over every skip-softmax call, blank when one ran on a route that does not count (fmha-v2). "
