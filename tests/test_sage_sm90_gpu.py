@@ -325,6 +325,18 @@ def _ragged(lens_q, lens_kv, dim, heads=8, kv_heads=2, seed=0):
     return q, k, v, _layout(lens_q, lens_kv)
 
 
+def _check_against_reference(q, k, v, layout, quant, skip, defines) -> None:
+    """One call (skip counted, log-sum-exp returned) of the build ``defines``: its output, skipped tiles and
+    log-sum-exp held to the reference's (``skip``: the threshold over the longest keys, None for none)."""
+    factor = None if skip is None else skip * layout.max_seqlen_kv
+    res = _attention(q, k, v, layout, softmax_scale=q.shape[-1]**-0.5, skip_factor=factor, quant=quant,
+                     collect_stats=True, return_lse=True, defines=defines)
+    ref = _reference(q, k, v, layout, skip_factor=factor, quant=quant, tile_q=64, tile_kv=128)
+    check_tile_counts(res, ref, skip)
+    assert rel_l1(res.out, ref.out) < 1.5e-2
+    _check_lse(res, ref, q, k, v, layout, factor)
+
+
 def _check_lse(res, ref, q, k, v, layout, factor) -> None:
     """As test_lse_matches_the_reference: the kernel's error against the unquantized log-sum-exp at most 10% above
     the emulation's own."""
@@ -345,13 +357,7 @@ def test_ragged_batches_with_empty_and_one_token_sequences(lens, dim, kv_heads, 
     q, k, v, layout = _ragged(*RAGGED_EDGES[lens], dim, kv_heads=kv_heads)
     q_block, k_block, per_thread = blocks
     quant = QuantConfig("int8", q_block, k_block, k_per_thread=per_thread)
-    factor = None if skip is None else skip * layout.max_seqlen_kv
-    res = _attention(q, k, v, layout, softmax_scale=dim**-0.5, skip_factor=factor, quant=quant, collect_stats=True,
-                     return_lse=True, defines=BUILDS[build])
-    ref = _reference(q, k, v, layout, skip_factor=factor, quant=quant, tile_q=64, tile_kv=128)
-    check_tile_counts(res, ref, skip)
-    assert rel_l1(res.out, ref.out) < 1.5e-2
-    _check_lse(res, ref, q, k, v, layout, factor)
+    _check_against_reference(q, k, v, layout, quant, skip, BUILDS[build])
 
 
 @pytest.mark.parametrize("ctas", [1, 3, 7])
@@ -359,21 +365,16 @@ def test_ragged_batches_with_empty_and_one_token_sequences(lens, dim, kv_heads, 
 @pytest.mark.parametrize("skip", [None, 0.02])
 def test_few_ctas_loop_over_many_work_tiles(skip, build, ctas, monkeypatch):
     """A grid of 1, 3 or 7 SMs' CTAs (the SM count the host sees, patched; two CTAs an SM with one consumer): each
-    CTA runs tens to hundreds of work tiles
-    of the triton tests' ragged batch (248 in all), so the ring's stages and phases and the Q buffers' run on over
-    many tiles of different lengths; GQA and skip counts held to the reference."""
+    CTA runs tens to hundreds of work tiles of the triton tests' ragged batch (248 in all), so the ring's stages and
+    phases and the Q buffers' run on over many tiles of different lengths; GQA and skip counts held to the
+    reference."""
     from diffusers_trtllm.kernels import sage_sm90
 
     monkeypatch.setattr(sage_sm90, "_sm_count", lambda index: ctas)
     q, k, v, layout = _inputs(128, kv_heads=4)
     quant = QuantConfig("int8", 1, 128, k_per_thread=True)
-    factor = None if skip is None else skip * layout.max_seqlen_kv
-    res = _attention(q, k, v, layout, softmax_scale=128**-0.5, skip_factor=factor, quant=quant, collect_stats=True,
-                     return_lse=True, defines=tuple(dict.fromkeys((*BUILDS["persistent"], *BUILDS[build]))))
-    ref = _reference(q, k, v, layout, skip_factor=factor, quant=quant, tile_q=64, tile_kv=128)
-    check_tile_counts(res, ref, skip)
-    assert rel_l1(res.out, ref.out) < 1.5e-2
-    _check_lse(res, ref, q, k, v, layout, factor)
+    defines = tuple(dict.fromkeys((*BUILDS["persistent"], *BUILDS[build])))
+    _check_against_reference(q, k, v, layout, quant, skip, defines)
 
 
 @pytest.mark.parametrize("build", ["default", "persistent", "one_consumer", "one_consumer_persistent"])
@@ -384,14 +385,7 @@ def test_more_work_tiles_than_sms(dim, kv_heads, skip, build):
     CTA on an H100; GQA; the output, skipped tiles and log-sum-exp against the reference."""
     lens = (4608,) * 4
     q, k, v, layout = _ragged(lens, lens, dim, heads=24, kv_heads=kv_heads)
-    quant = _int8(smooth_k=True)
-    factor = None if skip is None else skip * layout.max_seqlen_kv
-    res = _attention(q, k, v, layout, softmax_scale=dim**-0.5, skip_factor=factor, quant=quant, collect_stats=True,
-                     return_lse=True, defines=BUILDS[build])
-    ref = _reference(q, k, v, layout, skip_factor=factor, quant=quant, tile_q=64, tile_kv=128)
-    check_tile_counts(res, ref, skip)
-    assert rel_l1(res.out, ref.out) < 1.5e-2
-    _check_lse(res, ref, q, k, v, layout, factor)
+    _check_against_reference(q, k, v, layout, _int8(smooth_k=True), skip, BUILDS[build])
 
 
 @pytest.mark.parametrize("skip", [None, 0.02])

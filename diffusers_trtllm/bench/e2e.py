@@ -410,8 +410,8 @@ class _ModelBench:
         if stock_setting not in settings:
             settings.insert(0, stock_setting)
         pass_rows: list[E2ERow] = []
-        #: How each timed setting row was installed (setting, threshold, calibration), for the alternating rounds.
-        installed: dict[int, tuple[ProcessorSetting, float, dict[str, Any] | None]] = {}
+        #: Each timed setting row and how it was installed (setting, threshold, calibration), for the alternating rounds.
+        installed: list[tuple[E2ERow, ProcessorSetting, float, dict[str, Any] | None]] = []
         stock_out: torch.Tensor | None = None
         stock_ms: list[float] = []
         threshold = self.result.threshold.get(weights, opts.threshold)
@@ -447,7 +447,7 @@ class _ModelBench:
                 else:
                     calibration = self._run_setting(row, setting, threshold, compiled, stock_out)
                     if row.ms is not None:
-                        installed[id(row)] = (setting, row.threshold or threshold, calibration)
+                        installed.append((row, setting, row.threshold or threshold, calibration))
             except Exception as err:  # one failing setting must not stop the others
                 row.error = f"{type(err).__name__}: {str(err)[:400]}"
                 log.warning("%s %s %s: %s", spec.name, weights, setting.name, row.error)
@@ -467,19 +467,15 @@ class _ModelBench:
             for row in pass_rows:
                 row.vs_stock = None if row.ms is None else base / row.ms
         if stock_ms and self.opts.alternate > 0:
-            self._alternate(pass_rows, installed, stock_setting, deadline)
+            self._alternate(installed, stock_setting, deadline)
         self.model.set_attn_processor(dict(self.stock))  # Diffusers pops from the dict
         self.use_diffusers_backend(None)
 
-    def _alternate(self, rows: list[E2ERow], installed: dict[int, tuple[ProcessorSetting, float, dict | None]],
+    def _alternate(self, installed: list[tuple[E2ERow, ProcessorSetting, float, dict | None]],
                    stock_setting: ProcessorSetting, deadline: float) -> None:
         """Each timed setting against stock in ``opts.alternate`` rounds, stock first in each, and its ``vs_stock``
         the median of the rounds' ratios (within the time limit: rows without a round keep theirs)."""
-        for row in rows:
-            how = installed.get(id(row))
-            if how is None:
-                continue
-            setting, threshold, calibration = how
+        for row, setting, threshold, calibration in installed:
             for _ in range(self.opts.alternate):
                 if time.monotonic() > deadline:
                     break
