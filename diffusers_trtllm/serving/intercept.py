@@ -105,9 +105,9 @@ def _capturing(device: torch.device) -> bool:
 
 def _refuse_graph_capture(query: torch.Tensor) -> None:
     """Refuse to run inside a CUDA graph capture (``torch.compile(mode="reduce-overhead")``) on the query's GPU, in
-    one line: captured on an H100 (issue 57), a served call failed in torch's "Cannot copy between CPU and CUDA
-    tensors during CUDA graph capture" (a host-to-device copy not yet found), with both the default and the int8
-    route."""
+    one line. A capture itself now succeeds (``benchmarks/capture_probe.py`` on an H200, defaults and int8), but a
+    replay would repeat the host's decisions of the captured call (the timestep gate, a calibration's step), and
+    replays are not tested."""
     if _capturing(query.device):
         raise RuntimeError(
             "diffusers_trtllm: our attention cannot run inside a CUDA graph (torch.compile(mode='reduce-overhead') "
