@@ -13,7 +13,9 @@
 #              against the default, kernel alone, in alternating rounds;
 #   `capture`: benchmarks/capture_probe.py (which copy breaks a CUDA graph capture of a served call);
 #   `e2e-profile`: where Flux.1-dev 1024²'s regional-compiled forward spends its GPU time, stock against our
-#              defaults, and our processor on cuDNN (`--backend sdpa`).
+#              defaults, and our processor on cuDNN (`--backend sdpa`);
+#   `host`:    benchmarks/host_profile.py on flux_1024: each part's CPU time behind a busy GPU and a cProfile of
+#              the int8 call (where the host time before the first launch goes).
 # Carry .whl (and .jit, .cubin-cache where earlier calls returned them):
 #   bash benchmarks/image_lengths_check.sh profile sweep
 set -uo pipefail
@@ -73,6 +75,9 @@ print(len(build_kernels([v for v in VARIANTS if v.out_dtype == torch.bfloat16], 
         --configs "$([ $backend = auto ] && echo stock,dense || echo dense)" --backend $backend --top 12 \
         --out "$out/profile_e2e_flux_regional_$backend.json" 2>&1 | grep -v "^\s*$" | tail -34
     done ;;
+  host)
+    timeout 60 python3 benchmarks/host_profile.py --shapes "${HOST_SHAPES:-flux_1024}" --calls 100 --top 40 \
+      --out "$out/host_profile.json" > "$out/host_profile.log" 2>&1; grep '^{' "$out/host_profile.log" ;;
   pack)  # the cubins built here, for the next call's carry
     tar czf "$out/cubin-cache.tar.gz" .cubin-cache 2>/dev/null; save_jit ;;
   *) echo "unknown section $section" ;;
