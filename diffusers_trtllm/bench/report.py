@@ -147,7 +147,7 @@ def write_e2e_markdown(path: Path, env: dict[str, Any], opts: Any, models: list[
         "`vs stock`: stock time / this time, stock = Diffusers' own attention"
         f"{' with cuDNN SDPA' if opts.stock_sdpa == 'cudnn' else ''} in the same process on the same inputs and "
         + (f"weights, the median over {opts.alternate} rounds of stock and the setting timed back to back "
-           "(`vs_stock_rounds` in the JSON)" if getattr(opts, "alternate", 0) else
+           "(`vs_stock_rounds` in the JSON)" if opts.alternate else
            "weights (the faster of its two timings, before and after the settings)")
         + "; compiled rows against stock compiled. `rel-L1`: against the stock output of the same mode. `skipped`: the fraction of self/joint "
         "attention tiles the reference skips at the row's threshold, on Q/K recorded from the stock forward "

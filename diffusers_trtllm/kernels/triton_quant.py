@@ -457,7 +457,7 @@ def _tickets(device: torch.device, kv_heads: int) -> torch.Tensor:
 
 def _aligned(n: int) -> int:
     """``n`` floats rounded up to 128 bytes: where the next part of a shared allocation may start."""
-    return -(-n // 32) * 32
+    return cdiv(n, 32) * 32
 
 
 def kv_stats(k: torch.Tensor, v: torch.Tensor, smooth_k: bool) -> KVStats:
