@@ -1,0 +1,107 @@
+"""What a CTA of the ``sage-sm90`` kernel costs besides its KV tiles: the kernel alone, GPU-bound, at a fixed
+number of query tokens (so a fixed grid) and a growing number of keys (CUDA GPU, sm_90).
+
+    python3 benchmarks/cta_cost.py --queries 4608,16896 --keys 128,512,1152,2304,4608 --out X.json
+
+At a fixed grid the kernel's time is a line in the KV tiles each CTA runs: ``rounds * (tiles * per_tile +
+per_cta)``, ``rounds`` the waves of CTAs the GPU runs one after another (one CTA an SM by default). The fit's
+intercept over the rounds is what a CTA pays once (its prologue, the pipeline's fill and drain, the epilogue),
+which at Flux 1024²'s 36 KV tiles a CTA weighs more than at 32k tokens' 256 (issue 57). Each time is the median
+of ``--iters`` launches queued behind a GPU sleep, so no launch waits for the host. cuDNN SDPA on the same
+inputs is timed the same way beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from diffusers_trtllm.bench.inputs import Shape, structured_qkv
+from diffusers_trtllm.config import QuantConfig
+from diffusers_trtllm.kernels.sage_sm90 import BLOCK_N, sage_sm90_attention, sage_sm90_quantize
+from diffusers_trtllm.layout import PackedLayout
+
+
+def gpu_ms(fn, iters: int) -> float:
+    """Median GPU milliseconds of ``fn`` over ``iters`` launches queued behind a sleep (each timed by events)."""
+    fn()
+    torch.cuda.synchronize()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    torch.cuda._sleep(int(2e8))
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return sorted(s.elapsed_time(e) for s, e in events)[iters // 2]
+
+
+def fit(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """Least-squares line ``ms = c0 + c1 * tiles`` through (tiles, ms)."""
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    c1 = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
+    return my - c1 * mx, c1
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--queries", default="4608,16896", help="query tokens (one sequence), comma-separated")
+    p.add_argument("--keys", default="128,512,1152,2304,4608", help="key tokens, comma-separated")
+    p.add_argument("--heads", type=int, default=24)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--out", type=Path, default=None, help="JSON results; a Markdown table is written beside it")
+    args = p.parse_args()
+    dev = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    quant = QuantConfig("int8")
+    rows, fits = [], []
+    for nq in map(int, args.queries.split(",")):
+        points = []
+        for nk in map(int, args.keys.split(",")):
+            shape = Shape(f"{nq}x{nk}", 1, nq, args.heads, args.head_dim, kv_tokens=nk)
+            q, k, v = structured_qkv(shape, 0.5, device=dev, k_mean=4.0)
+            packed = [x.reshape(-1, *x.shape[2:]) for x in (q, k, v)]
+            layout = PackedLayout.dense(1, nq, nk, dev)
+            quantized = sage_sm90_quantize(*packed, layout, quant)
+            scale = args.head_dim ** -0.5
+            ours = gpu_ms(lambda: sage_sm90_attention(*packed, layout, softmax_scale=scale, quant=quant,
+                                                      quantized=quantized), args.iters)
+            qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+            with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
+                cudnn = gpu_ms(lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt), args.iters)
+            ctas = -(-nq // 128) * args.heads
+            tiles = -(-nk // BLOCK_N)
+            row = dict(queries=nq, keys=nk, ctas=ctas, rounds=-(-ctas // sms), kv_tiles=tiles, kernel_ms=ours,
+                       cudnn_ms=cudnn, vs_cudnn=cudnn / ours)
+            rows.append(row)
+            points.append((tiles, ours))
+            print(json.dumps(row), flush=True)
+        c0, c1 = fit(points)
+        rounds = rows[-1]["rounds"]
+        fits.append(dict(queries=nq, rounds=rounds, intercept_ms=c0, per_tile_round_us=c1 * 1e3 / rounds,
+                         per_cta_us=c0 * 1e3 / rounds))
+        print(json.dumps(fits[-1]), flush=True)
+    if args.out:
+        env = (f"GPU {torch.cuda.get_device_name(dev)} ({sms} SMs), torch {torch.__version__}; "
+               f"`python3 {' '.join(sys.argv)}`")
+        args.out.write_text(json.dumps(dict(environment=env, rows=rows, fits=fits), indent=1))
+        lines = [env, "", "| queries | keys | CTAs | rounds | KV tiles a CTA | kernel ms | cuDNN ms | vs cuDNN |",
+                 "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [f"| {r['queries']} | {r['keys']} | {r['ctas']} | {r['rounds']} | {r['kv_tiles']} | "
+                  f"{r['kernel_ms']:.4f} | {r['cudnn_ms']:.4f} | {r['vs_cudnn']:.3f}x |" for r in rows]
+        lines += ["", "| queries | rounds | intercept ms | per KV tile a round, us | per CTA, us |",
+                  "|---:|---:|---:|---:|---:|"]
+        lines += [f"| {f['queries']} | {f['rounds']} | {f['intercept_ms']:.4f} | {f['per_tile_round_us']:.3f} | "
+                  f"{f['per_cta_us']:.2f} |" for f in fits]
+        args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
