@@ -45,8 +45,8 @@
 // SAGE_SM90_OVERLAP (FA3's intra-warpgroup overlap: Q.K^T of tile n + 1 and P.V of tile n in two commit
 // groups, softmax of tile n + 1 beside the latter; 0: both in one group, waited for together),
 // SAGE_SM90_CONSUMERS (consumer warpgroups a CTA, 2; 1: two CTAs an SM, each with 232 registers a consumer thread
-// where two consumers have 240, and three stages where two have four, to fit; no PINGPONG; compiled without spills
-// at K blocks of 4-128 but not yet run on a GPU) and
+// where two consumers have 240, and three stages where two have four, to fit; no PINGPONG; GPU-tested on an H200,
+// and slower there than the default: benchmarks/results/sage_sm90_one_consumer_h200.md) and
 // SAGE_SM90_HALF_POLY (the FMA-pipe exponentials two at a time in half precision, exp2_e4m3x2; 0: one at a
 // time in fp32), SAGE_SM90_PERSISTENT and SAGE_SM90_Q_BUFFERS (the persistent kernel's Q buffers, at most). The
 // defaults are the fastest measured (benchmarks/results/sage_sm90_sweep_h200.md; SAGE_SM90_PERSISTENT's: above).
