@@ -1,7 +1,7 @@
 """What a CTA of the ``sage-sm90`` kernel costs besides its KV tiles: the kernel alone, GPU-bound, at a fixed
 number of query tokens (so a fixed grid) and a growing number of keys (CUDA GPU, sm_90).
 
-    python3 benchmarks/cta_cost.py --queries 4608,16896 --keys 128,512,1152,2304,4608 --out X.json
+    python3 benchmarks/cta_cost.py --queries 4608,16896 --keys 128,512,1152,2304,4608 [--defines D=1,...] --out X.json
 
 At a fixed grid the kernel's time is a line in the KV tiles each CTA runs: ``rounds * (tiles * per_tile +
 per_cta)``, ``rounds`` the waves of CTAs the GPU runs one after another (one CTA an SM by default). The fit's
@@ -56,11 +56,13 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=24)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--defines", default="", help="the kernel build's -D knobs, comma-separated (SAGE_SM90_STAGES=3)")
     p.add_argument("--out", type=Path, default=None, help="JSON results; a Markdown table is written beside it")
     args = p.parse_args()
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     quant = QuantConfig("int8")
+    defines = tuple(d for d in args.defines.split(",") if d)
     rows, fits = [], []
     for nq in map(int, args.queries.split(",")):
         points = []
@@ -72,7 +74,7 @@ def main() -> None:
             quantized = sage_sm90_quantize(*packed, layout, quant)
             scale = args.head_dim ** -0.5
             ours = gpu_ms(lambda: sage_sm90_attention(*packed, layout, softmax_scale=scale, quant=quant,
-                                                      quantized=quantized), args.iters)
+                                                      quantized=quantized, defines=defines), args.iters)
             qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
             with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
                 cudnn = gpu_ms(lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt), args.iters)

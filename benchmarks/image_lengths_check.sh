@@ -15,7 +15,11 @@
 #   `e2e-profile`: where Flux.1-dev 1024²'s regional-compiled forward spends its GPU time, stock against our
 #              defaults, and our processor on cuDNN (`--backend sdpa`);
 #   `host`:    benchmarks/host_profile.py on flux_1024: each part's CPU time behind a busy GPU and a cProfile of
-#              the int8 call (where the host time before the first launch goes).
+#              the int8 call (where the host time before the first launch goes);
+#   `cta`:     benchmarks/cta_cost.py: the kernel alone at fixed grids (4,608 and 16,896 queries) with 1-72 KV tiles a
+#              CTA, and the fit of what a CTA pays once (DEFINES: a build's -D knobs, comma-separated);
+#   `ncu-cta`: one call of 4,608 queries x KV_KEYS keys (128: one KV tile a CTA) under Nsight Compute: speed of light
+#              and warp states, then the stall samples per SASS instruction (benchmarks/ncu_hotspots.py).
 # Carry .whl (and .jit, .cubin-cache where earlier calls returned them):
 #   bash benchmarks/image_lengths_check.sh profile sweep
 set -uo pipefail
@@ -78,6 +82,21 @@ print(len(build_kernels([v for v in VARIANTS if v.out_dtype == torch.bfloat16], 
   host)
     timeout 60 python3 benchmarks/host_profile.py --shapes "${HOST_SHAPES:-flux_1024}" --calls 100 --top 40 \
       --out "$out/host_profile.json" > "$out/host_profile.log" 2>&1; grep '^{' "$out/host_profile.log" ;;
+  cta)
+    timeout 120 python3 benchmarks/cta_cost.py --queries 4608,16896 --keys 128,512,1152,2304,4608,9216 \
+      ${DEFINES:+--defines "$DEFINES"} --out "$out/cta_cost.json" 2>&1 | grep '^{' ;;
+  ncu-cta)
+    for kv in ${KV_KEYS:-128 4608}; do
+      timeout 100 ncu --clock-control none -k regex:sage_sm90_d --launch-skip 1 -c 1 --section SpeedOfLight \
+        --section WarpStateStats --section LaunchStats --section Occupancy \
+        python3 benchmarks/cta_cost.py --queries 4608 --keys "$kv" --iters 3 > "$out/ncu_cta_kv$kv.txt" 2>&1
+      grep -E "Duration|Elapsed Cycles|Throughput|Warp Cycles Per Issued|Achieved Occupancy|Waves Per SM" "$out/ncu_cta_kv$kv.txt"
+      timeout 100 ncu --clock-control none -k regex:sage_sm90_d --launch-skip 1 -c 1 --section SourceCounters \
+        --section WarpStateStats --page source --print-source sass --csv \
+        python3 benchmarks/cta_cost.py --queries 4608 --keys "$kv" --iters 3 > /tmp/ncu_cta_kv$kv.csv 2>&1
+      python3 benchmarks/ncu_hotspots.py /tmp/ncu_cta_kv$kv.csv --top 45 > "$out/ncu_cta_kv${kv}_hotspots.txt" 2>&1
+      head -60 "$out/ncu_cta_kv${kv}_hotspots.txt"
+    done ;;
   pack)  # the cubins built here, for the next call's carry
     tar czf "$out/cubin-cache.tar.gz" .cubin-cache 2>/dev/null; save_jit ;;
   *) echo "unknown section $section" ;;
