@@ -85,6 +85,8 @@ def main() -> None:
             rows.append(row)
             points.append((tiles, ours))
             print(json.dumps(row), flush=True)
+        if len(points) < 2:  # one length (an ncu run): no line to fit
+            continue
         c0, c1 = fit(points)
         rounds = rows[-1]["rounds"]
         fits.append(dict(queries=nq, rounds=rounds, intercept_ms=c0, per_tile_round_us=c1 * 1e3 / rounds,
