@@ -18,11 +18,14 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
+from bench_sage_sm90 import environment
 
 from diffusers_trtllm.bench.inputs import Shape, structured_qkv
 from diffusers_trtllm.config import QuantConfig
-from diffusers_trtllm.kernels.sage_sm90 import BLOCK_N, sage_sm90_attention, sage_sm90_quantize
+from diffusers_trtllm.kernels.sage_sm90 import BLOCK_N, _cta, sage_sm90_attention, sage_sm90_quantize
+from diffusers_trtllm.kernels.triton_launch import cdiv
 from diffusers_trtllm.layout import PackedLayout
 
 
@@ -40,15 +43,6 @@ def gpu_ms(fn, iters: int) -> float:
     return sorted(s.elapsed_time(e) for s, e in events)[iters // 2]
 
 
-def fit(points: list[tuple[int, float]]) -> tuple[float, float]:
-    """Least-squares line ``ms = c0 + c1 * tiles`` through (tiles, ms)."""
-    n = len(points)
-    mx = sum(x for x, _ in points) / n
-    my = sum(y for _, y in points) / n
-    c1 = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
-    return my - c1 * mx, c1
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--queries", default="4608,16896", help="query tokens (one sequence), comma-separated")
@@ -63,6 +57,10 @@ def main() -> None:
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     quant = QuantConfig("int8")
     defines = tuple(d for d in args.defines.split(",") if d)
+    cta = _cta(defines)
+    scale = args.head_dim ** -0.5
+    if cta.persistent:
+        raise SystemExit("cta_cost.py fits one CTA a work tile; SAGE_SM90_PERSISTENT builds loop over tiles instead")
     rows, fits = [], []
     for nq in map(int, args.queries.split(",")):
         points = []
@@ -72,31 +70,32 @@ def main() -> None:
             packed = [x.reshape(-1, *x.shape[2:]) for x in (q, k, v)]
             layout = PackedLayout.dense(1, nq, nk, dev)
             quantized = sage_sm90_quantize(*packed, layout, quant)
-            scale = args.head_dim ** -0.5
             ours = gpu_ms(lambda: sage_sm90_attention(*packed, layout, softmax_scale=scale, quant=quant,
                                                       quantized=quantized, defines=defines), args.iters)
             qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
             with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
                 cudnn = gpu_ms(lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt), args.iters)
-            ctas = -(-nq // 128) * args.heads
-            tiles = -(-nk // BLOCK_N)
-            row = dict(queries=nq, keys=nk, ctas=ctas, rounds=-(-ctas // sms), kv_tiles=tiles, kernel_ms=ours,
+            ctas = cdiv(nq, cta.rows) * args.heads
+            tiles = cdiv(nk, BLOCK_N)
+            row = dict(queries=nq, keys=nk, ctas=ctas, rounds=cdiv(ctas, sms * cta.per_sm), kv_tiles=tiles, kernel_ms=ours,
                        cudnn_ms=cudnn, vs_cudnn=cudnn / ours)
             rows.append(row)
             points.append((tiles, ours))
             print(json.dumps(row), flush=True)
         if len(points) < 2:  # one length (an ncu run): no line to fit
             continue
-        c0, c1 = fit(points)
+        c1, c0 = np.polyfit(*zip(*points), 1)  # ms = c0 + c1 * tiles
         rounds = rows[-1]["rounds"]
         fits.append(dict(queries=nq, rounds=rounds, intercept_ms=c0, per_tile_round_us=c1 * 1e3 / rounds,
                          per_cta_us=c0 * 1e3 / rounds))
         print(json.dumps(fits[-1]), flush=True)
     if args.out:
-        env = (f"GPU {torch.cuda.get_device_name(dev)} ({sms} SMs), torch {torch.__version__}; "
-               f"`python3 {' '.join(sys.argv)}`")
-        args.out.write_text(json.dumps(dict(environment=env, rows=rows, fits=fits), indent=1))
-        lines = [env, "", "| queries | keys | CTAs | rounds | KV tiles a CTA | kernel ms | cuDNN ms | vs cuDNN |",
+        env = environment(sms=sms, defines=list(defines))
+        command = " ".join(["python3", "benchmarks/cta_cost.py", *sys.argv[1:]])
+        args.out.write_text(json.dumps(dict(environment=env, command=command, rows=rows, fits=fits), indent=1))
+        head = (f"GPU {env['gpu']} ({sms} SMs), torch {env['torch']}, CUDA {env['cuda']}, cuDNN {env['cudnn']}, "
+                f"Triton {env['triton']}{', build ' + ','.join(defines) if defines else ''}; `{command}`")
+        lines = [head, "", "| queries | keys | CTAs | rounds | KV tiles a CTA | kernel ms | cuDNN ms | vs cuDNN |",
                  "|---:|---:|---:|---:|---:|---:|---:|---:|"]
         lines += [f"| {r['queries']} | {r['keys']} | {r['ctas']} | {r['rounds']} | {r['kv_tiles']} | "
                   f"{r['kernel_ms']:.4f} | {r['cudnn_ms']:.4f} | {r['vs_cudnn']:.3f}x |" for r in rows]
