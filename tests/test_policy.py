@@ -55,8 +55,8 @@ def test_sage_needs_a_long_kv_on_sm90_only(on_gpu):
 
 
 def test_int8_sage_pays_from_12800_keys_on_the_cuda_kernel(on_gpu, monkeypatch):
-    """Where sage-sm90 serves int8 SAGE it runs from 12,800 keys (1.166x cuDNN against fa3 dense's 1.038x on an
-    H100), not at 8,704 keys (a tie) nor at Flux 1024² (4,608 keys: 0.862x), nor from the Triton kernel's 65,536."""
+    """Where sage-sm90 serves int8 SAGE it runs from 12,800 keys (1.135x cuDNN against fa3 dense's 0.952x on an
+    H100), not at 8,704 keys (a tie) nor at Flux 1024² (4,608 keys: 0.915x), nor from the Triton kernel's 65,536."""
     monkeypatch.setattr(policy_mod, "_int8_kernel", lambda call, backend: "sage-sm90")
     for kv in (12800, 16896, 32760):
         kept = policy_mod.apply_policy(_call(kv))

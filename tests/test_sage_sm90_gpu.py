@@ -33,7 +33,9 @@ BUILDS = {"default": (), "pingpong": ("SAGE_SM90_PINGPONG=1",), "two_stages": ("
           # CTAs of 64 query rows, one consumer warpgroup, two an SM (three stages), and the same persistent (head dim
           # 128 with one Q buffer: two do not fit beside three stages in half the SM's shared memory).
           "one_consumer": ("SAGE_SM90_CONSUMERS=1",),
-          "one_consumer_persistent": ("SAGE_SM90_CONSUMERS=1", "SAGE_SM90_PERSISTENT=1")}
+          "one_consumer_persistent": ("SAGE_SM90_CONSUMERS=1", "SAGE_SM90_PERSISTENT=1"),
+          # The output stored from the registers, as the one-consumer build must (the default stages it in shared memory).
+          "registers_out": ("SAGE_SM90_STAGE_OUT=0",)}
 
 
 @pytest.fixture(autouse=True)
@@ -392,10 +394,11 @@ def test_more_work_tiles_than_sms(dim, kv_heads, skip, build):
 @pytest.mark.parametrize("case", ["flux_batch4", "zero_and_one_token", "one_token_first"])
 @pytest.mark.parametrize("dim", [64, 128])
 @pytest.mark.parametrize("builds", [("persistent", "default"), ("one_consumer", "default"),
-                                    ("one_consumer_persistent", "one_consumer")])
+                                    ("one_consumer_persistent", "one_consumer"), ("registers_out", "default")])
 def test_builds_compute_what_their_baseline_does(builds, dim, case, skip):
     """The persistent kernel (SAGE_SM90_PERSISTENT=1) and one CTA per work tile run the same arithmetic on every
-    tile, in another order, and so do CTAs of one consumer and of two: the outputs and log-sum-exps agree to rounding
+    tile, in another order, and so do CTAs of one consumer and of two, and outputs stored from the registers or through
+    shared memory: the outputs and log-sum-exps agree to rounding
     (bit for bit where ptxas schedules the two alike) and the skipped tiles to a borderline tile or two."""
     lens_q, lens_kv = ((4608,) * 4, (4608,) * 4) if case == "flux_batch4" else RAGGED_EDGES[case]
     q, k, v, layout = _ragged(lens_q, lens_kv, dim, heads=24 if case == "flux_batch4" else 8,

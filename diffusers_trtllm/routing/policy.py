@@ -41,10 +41,11 @@ SAGE_MIN_KV_SM90 = 16384
 
 #: On SM90, int8 SAGE pays from this KV length on the project's CUDA kernel (``sage-sm90``, which ``auto``
 #: ranks first for int8). Whole calls on one H100, 24 heads of 128, keys with a per-channel mean, int8 against
-#: fa3 dense (issue 57, benchmarks/results/profile_call_h100_run5.md): 4,608 keys 0.862x / 1.121x cuDNN,
-#: 8,704 keys 1.001x / 1.019x (a tie, as in run 4), 12,800 keys 1.166x / 1.038x, 16,896 keys 1.215x / 0.972x;
-#: Wan-14B 480p (32,760 keys) 1.482x / 1.149x (run 4). So it runs from 12,800, the shortest length where it
-#: measured faster; the crossover lies between 8,704 and 12,800 (on an H100; the H200's is not measured).
+#: fa3 dense (issue 57, benchmarks/results/profile_call_h100_run6.md): 4,608 keys 0.915x / 1.094x cuDNN,
+#: 8,704 keys 0.935x (served 1.001x) / 1.011x (a tie, as in runs 4 and 5), 12,800 keys 1.135x / 0.952x, 16,896
+#: keys 1.340x / 0.893x; Wan-14B 480p (32,760 keys) 1.482x / 1.149x (run 4). So it runs from 12,800, the shortest
+#: length where it measured faster; the crossover lies between 8,704 and 12,800 (on an H100; the H200's is not
+#: measured).
 SAGE_INT8_MIN_KV_SM90 = 12800
 
 #: Where sage-sm90 cannot serve the call (no nvcc, a backend that names another route), int8 SAGE runs on

@@ -48,7 +48,7 @@
 // where two consumers have 240, and three stages where two have four, to fit; no PINGPONG; GPU-tested on an H200,
 // and slower there than the default: benchmarks/results/sage_sm90_one_consumer_h200.md) and
 // SAGE_SM90_HALF_POLY (the FMA-pipe exponentials two at a time in half precision, exp2_e4m3x2; 0: one at a
-// time in fp32), SAGE_SM90_PERSISTENT and SAGE_SM90_Q_BUFFERS (the persistent kernel's Q buffers, at most). The
+// time in fp32), SAGE_SM90_STAGE_OUT (the output rows through shared memory, stage_out), SAGE_SM90_PERSISTENT and SAGE_SM90_Q_BUFFERS (the persistent kernel's Q buffers, at most). The
 // defaults are the fastest measured (benchmarks/results/sage_sm90_sweep_h200.md; SAGE_SM90_PERSISTENT's: above).
 // SAGE_SM90_Q_BUFFERS's default, two, was not timed against one.
 
@@ -72,6 +72,9 @@
 #endif
 #ifndef SAGE_SM90_PERSISTENT  // one CTA per SM looping over the work tiles (1); 0: one CTA per work tile
 #define SAGE_SM90_PERSISTENT 0
+#endif
+#ifndef SAGE_SM90_STAGE_OUT  // the output through shared memory where it fits (1); 0: stored from the registers
+#define SAGE_SM90_STAGE_OUT 1
 #endif
 #ifndef SAGE_SM90_Q_BUFFERS  // Q buffers of the persistent kernel, at most (2: the next tile's Q loads early)
 #define SAGE_SM90_Q_BUFFERS 2
@@ -283,6 +286,17 @@ __device__ __forceinline__ uint16_t exp2_e4m3x2(float lo, float hi) {
 // integer add and a float add, where cvt (I2FP) would take the transcendental unit the exponentials need.
 __device__ __forceinline__ float exact_float(int32_t x) { return __int_as_float(x + 0x4B400000) - 12582912.0f; }
 
+__device__ __forceinline__ void st_shared_b32(uint32_t addr, uint32_t v) {
+  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+}
+
+// 16 bytes from shared memory to global memory (both 16-byte aligned).
+__device__ __forceinline__ void copy_shared_to_global_16(void* dst, uint32_t src) {
+  uint32_t a, b, c, d;
+  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n" : "=r"(a), "=r"(b), "=r"(c), "=r"(d) : "r"(src) : "memory");
+  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
+}
+
 __device__ __forceinline__ float ld_shared_f32(uint32_t addr) {
   float v;
   asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v) : "r"(addr));
@@ -480,12 +494,22 @@ __device__ __forceinline__ void issue_row_sums(float (&sums)[4], const uint32_t 
 
 // ---- shared memory ------------------------------------------------------------------------------------
 
-template <int D, int STAGES, int Q_BUFS>
+// A row of the output staged in shared memory: D values of 2 bytes, then 16 bytes of padding, so that both the
+// consumers' 4-byte writes (8 rows x 4 lanes a warp) and the 16-byte reads of whole rows fall on 32 distinct banks.
+__host__ __device__ constexpr int out_row_bytes(int d) { return 2 * d + 16; }
+
+template <int BYTES>
+struct alignas(16) Bytes { uint8_t bytes[BYTES]; };
+template <>
+struct Bytes<0> {};
+
+template <int D, int STAGES, int Q_BUFS, bool STAGE_OUT>
 struct Smem {
   uint8_t q[Q_BUFS][CONSUMERS * BLOCK_M * D];  // rows of D bytes, D-byte swizzle
   uint8_t k[STAGES][BLOCK_N * D];      // rows of D bytes
   uint8_t v[STAGES][(D + 8) * BLOCK_N];  // V^T tile: D rows of 128 keys (128-byte swizzle), then ones, zeros
   float k_scale[STAGES][BLOCK_N];      // each key's scale, staged by the producer
+  Bytes<STAGE_OUT ? CONSUMERS * BLOCK_M * out_row_bytes(D) : 0> out;  // each consumer's output rows (STAGE_OUT)
   uint64_t full_q[Q_BUFS];
   uint64_t empty_q[Q_BUFS];            // the consumers are done with the buffer's Q (persistent kernel only)
   uint64_t full_k[STAGES];             // K tile (TMA) and its scales (32 producer lanes)
@@ -497,15 +521,24 @@ struct Smem {
 // SM's 228 KB less the 1 KB the system reserves per CTA.
 constexpr int MAX_SMEM = CTAS_PER_SM == 1 ? 227 * 1024 : 228 * 1024 / CTAS_PER_SM - 1024;
 
+// Whether the output goes out through shared memory (where its rows fit beside the stages; the one-consumer build's
+// do not): the consumers write their rows there, then copy whole rows out in 16-byte stores, where stores from the
+// accumulator's registers write 4 bytes of 8 rows at a time (half sectors) and the CTA's exit waits on them.
+template <int D, int STAGES>
+__host__ __device__ constexpr bool stage_out() {
+  return SAGE_SM90_STAGE_OUT && sizeof(Smem<D, STAGES, 1, true>) + 1024 <= MAX_SMEM;
+}
+
 // Q buffers: one per CTA, or in the persistent kernel up to SAGE_SM90_Q_BUFFERS where they fit beside the stages.
 template <int D, int STAGES, bool PERSISTENT>
 __host__ __device__ constexpr int q_buffers() {
-  return PERSISTENT && SAGE_SM90_Q_BUFFERS >= 2 && sizeof(Smem<D, STAGES, 2>) + 1024 <= MAX_SMEM ? 2 : 1;
+  return PERSISTENT && SAGE_SM90_Q_BUFFERS >= 2 && sizeof(Smem<D, STAGES, 2, stage_out<D, STAGES>()>) + 1024 <= MAX_SMEM
+             ? 2 : 1;
 }
 
 template <int D, int STAGES, bool PERSISTENT>
 __host__ __device__ constexpr int smem_bytes() {  // + alignment slack
-  return static_cast<int>(sizeof(Smem<D, STAGES, q_buffers<D, STAGES, PERSISTENT>()>)) + 1024;
+  return static_cast<int>(sizeof(Smem<D, STAGES, q_buffers<D, STAGES, PERSISTENT>(), stage_out<D, STAGES>()>)) + 1024;
 }
 
 // G, the scores of a thread's row that share one K scale, for a K block size: a thread holds keys {2t, 2t + 1,
@@ -729,8 +762,9 @@ struct WorkTile {
 
 // The consumer warpgroups' part of the kernel (one branch of the role split, so that setmaxnreg can
 // give it CONSUMER_REGS registers a thread).
-template <int D, int STAGES, int QB, int G, bool SKIP, bool PINGPONG, bool OVERLAP, bool PERSISTENT, typename OutT>
-__device__ __forceinline__ void consume(Smem<D, STAGES, QB>& sm, const Params& p, int consumer) {
+template <int D, int STAGES, int QB, bool STAGE_OUT, int G, bool SKIP, bool PINGPONG, bool OVERLAP, bool PERSISTENT,
+          typename OutT>
+__device__ __forceinline__ void consume(Smem<D, STAGES, QB, STAGE_OUT>& sm, const Params& p, int consumer) {
   setmaxnreg_consumer();
   WorkTile tile;
   tile.start<PERSISTENT>(p);  // (found again here: values live across the role split cost registers on both sides)
@@ -1011,20 +1045,48 @@ __device__ __forceinline__ void consume(Smem<D, STAGES, QB>& sm, const Params& p
     // index, ptxas made every address anew in the one-tile build: its epilogue 2x as long).
     const float* v_scale = p.v_scale + kv_head * D + 2 * t;
     const float* v_mean = p.v_mean + kv_head * D + 2 * t;
-    OutT* out = static_cast<OutT*>(p.out) + head * p.out_stride_h + 2 * t;
-    OutT* out0 = out + (q_start + row0) * p.out_stride_t;
-    OutT* out1 = out + (q_start + row1) * p.out_stride_t;
+    OutT* out = static_cast<OutT*>(p.out) + head * p.out_stride_h;
+    // Row r's values of columns 8j + 2t and + 1 (r: 0 for row0, 1 for row1), in OutT, packed into 4 bytes.
+    auto out_pair = [&](int r, int j, float vs0, float vs1, float vm0, float vm1) {
+      const float inv = r == 0 ? inv0 : inv1;
+      const uint16_t lo = to_output<OutT>(fmaf(o[4 * j + 2 * r] * inv, vs0, vm0)).bits;
+      const uint16_t hi = to_output<OutT>(fmaf(o[4 * j + 2 * r + 1] * inv, vs1, vm1)).bits;
+      return lo | (static_cast<uint32_t>(hi) << 16);
+    };
+    if constexpr (STAGE_OUT) {
+      constexpr int ROW = out_row_bytes(D), CHUNKS = 2 * D / 16;  // 16-byte pieces a row
+      const uint32_t stage = smem_addr(sm.out.bytes) + consumer * (BLOCK_M * ROW);
+      const int out_barrier = 6 + consumer;
+      if constexpr (PERSISTENT) named_sync(out_barrier, 128);  // the last work tile's rows are read out
+      const uint32_t at = stage + (warp * 16 + g) * ROW + 4 * t;
 #pragma unroll
-    for (int j = 0; j < D / 8; ++j) {
-      const float vs0 = __ldg(v_scale + 8 * j), vs1 = __ldg(v_scale + 8 * j + 1);
-      const float vm0 = __ldg(v_mean + 8 * j), vm1 = __ldg(v_mean + 8 * j + 1);
-      if (ok0) {
-        out0[8 * j] = to_output<OutT>(fmaf(o[4 * j] * inv0, vs0, vm0));
-        out0[8 * j + 1] = to_output<OutT>(fmaf(o[4 * j + 1] * inv0, vs1, vm1));
+      for (int j = 0; j < D / 8; ++j) {
+        const float vs0 = __ldg(v_scale + 8 * j), vs1 = __ldg(v_scale + 8 * j + 1);
+        const float vm0 = __ldg(v_mean + 8 * j), vm1 = __ldg(v_mean + 8 * j + 1);
+        st_shared_b32(at + 16 * j, out_pair(0, j, vs0, vs1, vm0, vm1));
+        st_shared_b32(at + 8 * ROW + 16 * j, out_pair(1, j, vs0, vs1, vm0, vm1));
       }
-      if (ok1) {
-        out1[8 * j] = to_output<OutT>(fmaf(o[4 * j + 2] * inv1, vs0, vm0));
-        out1[8 * j + 1] = to_output<OutT>(fmaf(o[4 * j + 3] * inv1, vs1, vm1));
+      named_sync(out_barrier, 128);
+      // 128 threads copy the 64 rows out, a warp covering whole rows (contiguous 16-byte stores), this sequence's only.
+      const int rows = q_len - wg_first_row, first_row = tid / CHUNKS, piece = tid % CHUNKS;
+      uint8_t* dst = reinterpret_cast<uint8_t*>(out + (q_start + wg_first_row + first_row) * p.out_stride_t) + 16 * piece;
+      const long long step = (128 / CHUNKS) * p.out_stride_t * static_cast<long long>(sizeof(OutT));
+#pragma unroll
+      for (int i = 0; i < BLOCK_M * CHUNKS / 128; ++i) {
+        const int r = first_row + i * (128 / CHUNKS);
+        if (r < rows) copy_shared_to_global_16(dst + i * step, stage + r * ROW + 16 * piece);
+      }
+    } else {
+      OutT* out0 = out + 2 * t + (q_start + row0) * p.out_stride_t;
+      OutT* out1 = out + 2 * t + (q_start + row1) * p.out_stride_t;
+#pragma unroll
+      for (int j = 0; j < D / 8; ++j) {
+        const float vs0 = __ldg(v_scale + 8 * j), vs1 = __ldg(v_scale + 8 * j + 1);
+        const float vm0 = __ldg(v_mean + 8 * j), vm1 = __ldg(v_mean + 8 * j + 1);
+        // Two outputs a 4-byte store (an even column of a row the host allocated), not one a 2-byte store: 6.8
+        // against 11.4 us a CTA on an H100 (benchmarks/results/cta_cost_h100_paired.md).
+        if (ok0) *reinterpret_cast<uint32_t*>(out0 + 8 * j) = out_pair(0, j, vs0, vs1, vm0, vm1);
+        if (ok1) *reinterpret_cast<uint32_t*>(out1 + 8 * j) = out_pair(1, j, vs0, vs1, vm0, vm1);
       }
     }
     if (SKIP && p.count_skipped && wg_has_rows && tid == 0) atomicAdd(p.stats, skipped);
@@ -1047,10 +1109,11 @@ template <int D, int STAGES, int G, bool SKIP, bool PINGPONG, bool OVERLAP, bool
 __device__ __forceinline__ void attention(const TensorMap* map_q, const TensorMap* map_k, const TensorMap* map_v,
                                           const Params& p) {
   constexpr int QB = q_buffers<D, STAGES, PERSISTENT>();
+  constexpr bool STAGE_OUT = stage_out<D, STAGES>();
   static_assert(smem_bytes<D, STAGES, PERSISTENT>() <= MAX_SMEM, "shared memory past what CTAS_PER_SM CTAs have");
   static_assert(!PINGPONG || CONSUMERS == 2, "SAGE_SM90_PINGPONG takes turns between two consumers");
   extern __shared__ uint8_t smem_raw[];
-  auto& sm = *reinterpret_cast<Smem<D, STAGES, QB>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  auto& sm = *reinterpret_cast<Smem<D, STAGES, QB, STAGE_OUT>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
 
   {
     WorkTile tile;
@@ -1130,7 +1193,7 @@ __device__ __forceinline__ void attention(const TensorMap* map_q, const TensorMa
       }
     }
   } else {
-    consume<D, STAGES, QB, G, SKIP, PINGPONG, OVERLAP, PERSISTENT, OutT>(sm, p, warpgroup - 1);
+    consume<D, STAGES, QB, STAGE_OUT, G, SKIP, PINGPONG, OVERLAP, PERSISTENT, OutT>(sm, p, warpgroup - 1);
   }
 }
 
