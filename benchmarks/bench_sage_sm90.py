@@ -75,6 +75,7 @@ BUILDS = {
     # CTAs of 64 query rows (one consumer warpgroup, three stages), two an SM; and those persistent
     "one_consumer": ("SAGE_SM90_CONSUMERS=1",),
     "one_consumer_persistent": ("SAGE_SM90_CONSUMERS=1", "SAGE_SM90_PERSISTENT=1"),
+    "registers-out": ("SAGE_SM90_STAGE_OUT=0",),  # the output stored from the registers (the default until 2026-12-07)
 }
 
 

@@ -28,7 +28,7 @@ def markdown(result: dict) -> str:
     env = result["environment"]
     lines = [f"GPU {env['gpu']}, torch {env['torch']}, CUDA {env['cuda']}, Triton {env['triton']}; "
              f"`{result['command']}`", "",
-             "| shape | keys sampled at most | keys read | quantizer ms | rel-L1 | cosine |", "|---|---:|---:|---:|---:|---:|"]
+             "| shape | KEY_MEAN_SAMPLE | keys read | quantizer ms | rel-L1 | cosine |", "|---|---:|---:|---:|---:|---:|"]
     lines += [f"| {r['shape']} | {r['sample']} | {r['keys_read']} | {r['quantizer_ms']:.4f} | {r['rel_l1']:.4f} | "
               f"{r['cosine']:.5f} |" for r in result["rows"]]
     return "\n".join(lines) + "\n"

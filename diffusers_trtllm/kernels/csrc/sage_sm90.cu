@@ -497,6 +497,8 @@ __device__ __forceinline__ void issue_row_sums(float (&sums)[4], const uint32_t 
 // A row of the output staged in shared memory: D values of 2 bytes, then 16 bytes of padding, so that both the
 // consumers' 4-byte writes (8 rows x 4 lanes a warp) and the 16-byte reads of whole rows fall on 32 distinct banks.
 __host__ __device__ constexpr int out_row_bytes(int d) { return 2 * d + 16; }
+// A consumer's staged output: its rows, then V's channel scales and means (D floats each), read by the epilogue.
+__host__ __device__ constexpr int out_stage_bytes(int d) { return BLOCK_M * out_row_bytes(d) + 2 * d * 4; }
 
 template <int BYTES>
 struct alignas(16) Bytes { uint8_t bytes[BYTES]; };
@@ -509,7 +511,7 @@ struct Smem {
   uint8_t k[STAGES][BLOCK_N * D];      // rows of D bytes
   uint8_t v[STAGES][(D + 8) * BLOCK_N];  // V^T tile: D rows of 128 keys (128-byte swizzle), then ones, zeros
   float k_scale[STAGES][BLOCK_N];      // each key's scale, staged by the producer
-  Bytes<STAGE_OUT ? CONSUMERS * BLOCK_M * out_row_bytes(D) : 0> out;  // each consumer's output rows (STAGE_OUT)
+  Bytes<STAGE_OUT ? CONSUMERS * out_stage_bytes(D) : 0> out;  // each consumer's output rows and V's stats
   uint64_t full_q[Q_BUFS];
   uint64_t empty_q[Q_BUFS];            // the consumers are done with the buffer's Q (persistent kernel only)
   uint64_t full_k[STAGES];             // K tile (TMA) and its scales (32 producer lanes)
@@ -825,6 +827,16 @@ __device__ __forceinline__ void consume(Smem<D, STAGES, QB, STAGE_OUT>& sm, cons
     const float log2_lam = log2f(p.skip_factor / static_cast<float>(kv_len));
     const float reach0 = ok0 ? log2_lam / qs0 : POS_INF, reach1 = ok1 ? log2_lam / qs1 : POS_INF;
     const uint64_t desc_q = desc_plus(desc_q0, qb * (sizeof(sm.q[0]) / 16));
+    // STAGE_OUT: V's channel scales and means to shared memory now, while Q and the first K load, so that the epilogue
+    // reads them there (its global loads were a CTA's last wait); published by the epilogue's first barrier.
+    const uint32_t out_stage = STAGE_OUT ? smem_addr(&sm.out) + consumer * out_stage_bytes(D) : 0;
+    const uint32_t v_stats = out_stage + BLOCK_M * out_row_bytes(D);
+    if constexpr (STAGE_OUT) {
+      for (int i = tid; i < 2 * D; i += 128) {
+        const float* stat = i < D ? p.v_scale + kv_head * D + i : p.v_mean + kv_head * D + i - D;
+        st_shared_b32(v_stats + 4 * i, __float_as_uint(__ldg(stat)));
+      }
+    }
     // Once this tile's last Q.K^T is done, its Q buffer is the producer's again (persistent: the next tile's Q).
     auto release_q = [&] {
       if constexpr (PERSISTENT) {
@@ -1041,10 +1053,6 @@ __device__ __forceinline__ void consume(Smem<D, STAGES, QB, STAGE_OUT>& sm, cons
       if (ok0) lse[(q_start + row0) * p.heads] = row_lse(m_0, qs0, l_0);
       if (ok1) lse[(q_start + row1) * p.heads] = row_lse(m_1, qs1, l_1);
     }
-    // Pointers at this thread's first column, columns 8j further by immediate offsets (with col = 8j + 2t in each
-    // index, ptxas made every address anew in the one-tile build: its epilogue 2x as long).
-    const float* v_scale = p.v_scale + kv_head * D + 2 * t;
-    const float* v_mean = p.v_mean + kv_head * D + 2 * t;
     OutT* out = static_cast<OutT*>(p.out) + head * p.out_stride_h;
     // Row r's values of columns 8j + 2t and + 1 (r: 0 for row0, 1 for row1), in OutT, packed into 4 bytes.
     auto out_pair = [&](int r, int j, float vs0, float vs1, float vm0, float vm1) {
@@ -1055,14 +1063,13 @@ __device__ __forceinline__ void consume(Smem<D, STAGES, QB, STAGE_OUT>& sm, cons
     };
     if constexpr (STAGE_OUT) {
       constexpr int ROW = out_row_bytes(D), CHUNKS = 2 * D / 16;  // 16-byte pieces a row
-      const uint32_t stage = smem_addr(sm.out.bytes) + consumer * (BLOCK_M * ROW);
       const int out_barrier = 6 + consumer;
-      if constexpr (PERSISTENT) named_sync(out_barrier, 128);  // the last work tile's rows are read out
-      const uint32_t at = stage + (warp * 16 + g) * ROW + 4 * t;
+      named_sync(out_barrier, 128);  // V's stats written (persistent: and the last work tile's rows read out)
+      const uint32_t at = out_stage + (warp * 16 + g) * ROW + 4 * t, vs_at = v_stats + 8 * t;
 #pragma unroll
       for (int j = 0; j < D / 8; ++j) {
-        const float vs0 = __ldg(v_scale + 8 * j), vs1 = __ldg(v_scale + 8 * j + 1);
-        const float vm0 = __ldg(v_mean + 8 * j), vm1 = __ldg(v_mean + 8 * j + 1);
+        const float vs0 = ld_shared_f32(vs_at + 32 * j), vs1 = ld_shared_f32(vs_at + 32 * j + 4);
+        const float vm0 = ld_shared_f32(vs_at + 4 * D + 32 * j), vm1 = ld_shared_f32(vs_at + 4 * D + 32 * j + 4);
         st_shared_b32(at + 16 * j, out_pair(0, j, vs0, vs1, vm0, vm1));
         st_shared_b32(at + 8 * ROW + 16 * j, out_pair(1, j, vs0, vs1, vm0, vm1));
       }
@@ -1074,9 +1081,13 @@ __device__ __forceinline__ void consume(Smem<D, STAGES, QB, STAGE_OUT>& sm, cons
 #pragma unroll
       for (int i = 0; i < BLOCK_M * CHUNKS / 128; ++i) {
         const int r = first_row + i * (128 / CHUNKS);
-        if (r < rows) copy_shared_to_global_16(dst + i * step, stage + r * ROW + 16 * piece);
+        if (r < rows) copy_shared_to_global_16(dst + i * step, out_stage + r * ROW + 16 * piece);
       }
     } else {
+      // Pointers at this thread's first column, columns 8j further by immediate offsets (with col = 8j + 2t in each
+      // index, ptxas made every address anew in the one-tile build: its epilogue 2x as long).
+      const float* v_scale = p.v_scale + kv_head * D + 2 * t;
+      const float* v_mean = p.v_mean + kv_head * D + 2 * t;
       OutT* out0 = out + 2 * t + (q_start + row0) * p.out_stride_t;
       OutT* out1 = out + 2 * t + (q_start + row1) * p.out_stride_t;
 #pragma unroll
