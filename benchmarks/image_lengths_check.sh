@@ -18,6 +18,9 @@
 #              the int8 call (where the host time before the first launch goes);
 #   `cta`:     benchmarks/cta_cost.py: the kernel alone at fixed grids (4,608 and 16,896 queries) with 1-72 KV tiles a
 #              CTA, and the fit of what a CTA pays once (DEFINES: a build's -D knobs, comma-separated);
+#   `kernel-ab`: the kernel alone (cta_cost.py, GPU-bound) with BASE's package and this one taken in turn, ROUNDS times,
+#              at each Q:HEADS of AB_SHAPES (32760:40 4608:24: Wan-14B 480p, Flux 1024²);
+#   `key-mean`: benchmarks/key_mean_sample.py (the quantizer's time and the call's accuracy per K mean sample size);
 #   `ncu-cta`: one call of 4,608 queries x KV_KEYS keys (128: one KV tile a CTA) under Nsight Compute: speed of light
 #              and warp states, then the stall samples per SASS instruction (benchmarks/ncu_hotspots.py).
 # Carry .whl (and .jit, .cubin-cache where earlier calls returned them):
@@ -85,6 +88,15 @@ print(len(build_kernels([v for v in VARIANTS if v.out_dtype == torch.bfloat16], 
   cta)
     timeout 120 python3 benchmarks/cta_cost.py --queries 4608,16896 --keys 128,512,1152,2304,4608,9216 \
       ${DEFINES:+--defines "$DEFINES"} --out "$out/cta_cost.json" 2>&1 | grep '^{' ;;
+  kernel-ab)
+    for round in $(seq "${ROUNDS:-2}"); do for label in baseline this; do for qh in ${AB_SHAPES:-32760:40 4608:24}; do
+      PYTHONPATH="$([ "$label" = baseline ] && echo "${BASE:?kernel-ab needs BASE}:")$PYTHONPATH" timeout 60 \
+        python3 benchmarks/cta_cost.py --queries "${qh%:*}" --keys "${qh%:*}" --heads "${qh#*:}" --iters 15 2>&1 \
+        | grep '^{' | sed "s/^{/{\"label\": \"$label\", \"round\": $round, /" | tee -a "$out/kernel_ab.jsonl"
+    done; done; done ;;
+  key-mean)
+    timeout 120 python3 benchmarks/key_mean_sample.py --shapes "${KEY_MEAN_SHAPES:-$shapes,wan_14b_480p}" \
+      --samples 4096,1024,512 --out "$out/key_mean_sample.json" 2>&1 | tail -10 ;;
   ncu-cta)
     for kv in ${KV_KEYS:-128 4608}; do
       timeout 100 ncu --clock-control none -k regex:sage_sm90_d --launch-skip 1 -c 1 --section SpeedOfLight \
