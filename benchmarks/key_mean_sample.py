@@ -55,8 +55,9 @@ def main() -> None:
             triton_quant.KEY_MEAN_SAMPLE = sample  # the quantizer's step: max(1, keys // sample)
             ms = gpu_ms(lambda: sage_sm90_quantize(*packed, layout, quant), args.iters)
             out = sage_sm90_attention(*packed, layout, softmax_scale=shape.head_dim ** -0.5, quant=quant)
-            row = dict(shape=shape.name, sample=sample, keys_read=-(-packed[1].shape[0] // max(1, packed[1].shape[0] // sample)),
-                       quantizer_ms=ms, rel_l1=rel_l1(out.out, ref), cosine=cosine(out.out, ref))
+            keys = packed[1].shape[0]
+            row = dict(shape=shape.name, sample=sample, keys_read=-(-keys // max(1, keys // sample)), quantizer_ms=ms,
+                       rel_l1=rel_l1(out.out, ref), cosine=cosine(out.out, ref))
             rows.append(row)
             print(row, flush=True)
     if args.out:

@@ -34,7 +34,8 @@ BUILDS = {"default": (), "pingpong": ("SAGE_SM90_PINGPONG=1",), "two_stages": ("
           # 128 with one Q buffer: two do not fit beside three stages in half the SM's shared memory).
           "one_consumer": ("SAGE_SM90_CONSUMERS=1",),
           "one_consumer_persistent": ("SAGE_SM90_CONSUMERS=1", "SAGE_SM90_PERSISTENT=1"),
-          # The output stored from the registers, as the one-consumer build must (the default stages it in shared memory).
+          # The output stored from the registers, as the one-consumer build must (the default stages it in shared
+          # memory).
           "registers_out": ("SAGE_SM90_STAGE_OUT=0",)}
 
 
