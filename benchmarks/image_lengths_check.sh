@@ -21,6 +21,8 @@
 #   `kernel-ab`: the kernel alone (cta_cost.py, GPU-bound) with BASE's package and this one taken in turn, ROUNDS times,
 #              at each Q:HEADS of AB_SHAPES (32760:40 4608:24: Wan-14B 480p, Flux 1024²);
 #   `key-mean`: benchmarks/key_mean_sample.py (the quantizer's time and the call's accuracy per K mean sample size);
+#   `ncu-quant`: the quantizer's two launches at flux_1024 under Nsight Compute (speed of light, memory workload,
+#              occupancy): how far from the memory's bandwidth each pass runs;
 #   `ncu-cta`: one call of 4,608 queries x KV_KEYS keys (128: one KV tile a CTA) under Nsight Compute: speed of light
 #              and warp states, then the stall samples per SASS instruction (benchmarks/ncu_hotspots.py).
 # Carry .whl (and .jit, .cubin-cache where earlier calls returned them):
@@ -97,6 +99,12 @@ print(len(build_kernels([v for v in VARIANTS if v.out_dtype == torch.bfloat16], 
   key-mean)
     timeout 120 python3 benchmarks/key_mean_sample.py --shapes "${KEY_MEAN_SHAPES:-$shapes,wan_14b_480p}" \
       --samples 4096,1024,512 --out "$out/key_mean_sample.json" 2>&1 | tail -10 ;;
+  ncu-quant)
+    timeout 120 ncu --clock-control none -k regex:"_q_and_stats|_kv_quant" --launch-skip 2 -c 2 --section SpeedOfLight \
+      --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
+      python3 benchmarks/key_mean_sample.py --shapes flux_1024 --samples 1024 --iters 3 > "$out/ncu_quantizer.txt" 2>&1
+    grep -E "Profiling|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Waves Per|Grid Size|Block Size" \
+      "$out/ncu_quantizer.txt" ;;
   ncu-cta)
     for kv in ${KV_KEYS:-128 4608}; do
       timeout 100 ncu --clock-control none -k regex:sage_sm90_d --launch-skip 1 -c 1 --section SpeedOfLight \
