@@ -145,7 +145,9 @@ MODELS: dict[str, ModelSpec] = {
             _WAN_480P, 512, _WAN_TINY, (16, 2, 4, 8), 8, _WAN_PROBE, contrast=32.0,
         ),
         _FLUX_DEV,
+        # 1536x1536: a 96 x 96 token grid, 9,728 tokens with the text (between the policy's int8 lengths, issue 57);
         # 2048x2048: a 128 x 128 token grid, 16,896 tokens with the text (issue 57's long image row).
+        replace(_FLUX_DEV, name="flux.1-dev-1536", latent=(96, 96)),
         replace(_FLUX_DEV, name="flux.1-dev-2048", latent=(128, 128)),
         ModelSpec(
             "hunyuanvideo-544p", "HunyuanVideoTransformer3DModel", "hunyuanvideo", _HUNYUANVIDEO, _HUNYUANVIDEO_544P,
