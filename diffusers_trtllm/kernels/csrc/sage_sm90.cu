@@ -48,8 +48,9 @@
 // where two consumers have 240, and three stages where two have four, to fit; no PINGPONG; GPU-tested on an H200,
 // and slower there than the default: benchmarks/results/sage_sm90_one_consumer_h200.md) and
 // SAGE_SM90_HALF_POLY (the FMA-pipe exponentials two at a time in half precision, exp2_e4m3x2; 0: one at a
-// time in fp32), SAGE_SM90_STAGE_OUT (the output rows through shared memory, stage_out), SAGE_SM90_PERSISTENT and SAGE_SM90_Q_BUFFERS (the persistent kernel's Q buffers, at most). The
-// defaults are the fastest measured (benchmarks/results/sage_sm90_sweep_h200.md; SAGE_SM90_PERSISTENT's: above).
+// time in fp32), SAGE_SM90_STAGE_OUT (the output rows through shared memory, stage_out), SAGE_SM90_PERSISTENT and
+// SAGE_SM90_Q_BUFFERS (the persistent kernel's Q buffers, at most). The defaults are the fastest measured
+// (benchmarks/results/sage_sm90_sweep_h200.md; SAGE_SM90_PERSISTENT's: above; SAGE_SM90_STAGE_OUT's: cta_cost_h100_*.md).
 // SAGE_SM90_Q_BUFFERS's default, two, was not timed against one.
 
 #ifndef SAGE_SM90_SOFT_EXP  // of each row's 16 score chunks, how many take exp2_poly (fast path)
