@@ -490,7 +490,7 @@ def test_quantizer_compiles_for_the_gpu(sm, dtype_qk, mma_key_order, smooth_k, k
                    if isinstance(arg, torch.Tensor) or (isinstance(arg, int) and arg % 16 == 0)}
         try:
             compiled = triton.compile(ASTSource(kernel, signature, consts, aligned), target=GPUTarget("cuda", sm, 32),
-                                      options=dict(num_warps=warps))
+                                      options=dict(num_warps=warps, **triton_quant._UNFUSED))
         except Exception as exc:  # a Triton without the CUDA backend, not a kernel bug
             if "backend" in str(exc).lower() and "cuda" in str(exc).lower():
                 pytest.skip(f"this Triton cannot compile for CUDA: {exc}")

@@ -121,14 +121,27 @@ def block_ids(cu_seqlens: torch.Tensor, lens: tuple[int, ...], block: int,
     return (torch.cat(ids) if ids else torch.zeros(0, dtype=torch.long, device=device)), scale_slots(lens, block, per_thread)
 
 
+def _scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
+    """``max(amax, floor) / qmax`` as an IEEE quotient, as the kernels compute it: on CUDA torch divides by a Python
+    scalar as a multiply by its reciprocal, which lands one ulp off on about half the values."""
+    amax = amax.float().clamp_min(AMAX_FLOOR)
+    return amax / torch.full_like(amax, qmax)
+
+
+def _reciprocal(scale: torch.Tensor) -> torch.Tensor:
+    """``1 / scale`` rounded to nearest (a tensor quotient: IEEE on CUDA too). Values are quantized as
+    ``x * (1 / scale)``, the product rounded on its own, as the quantizer kernels do it (one multiply a value)."""
+    return torch.ones_like(scale) / scale
+
+
 def _quantize_blocks(x: torch.Tensor, ids: torch.Tensor, n_blocks: int, qmax: float, dtype: torch.dtype):
-    """Per-(head, block) scale ``max(amax, floor) / qmax``; values rounded and saturated."""
+    """Per-(head, block) scale ``max(amax, floor) / qmax``; values ``x * (1 / scale)`` rounded and saturated."""
     tokens, heads, _ = x.shape
     amax = x.abs().amax(dim=-1).float()  # [tokens, heads]
     block_amax = torch.zeros(n_blocks, heads, device=x.device, dtype=torch.float32)
     block_amax.scatter_reduce_(0, ids[:, None].expand(-1, heads), amax, "amax")
-    scale = block_amax.clamp_min(AMAX_FLOOR) / qmax  # [blocks, heads]
-    scaled = x.float() / scale[ids][:, :, None]
+    scale = _scale(block_amax, qmax)  # [blocks, heads]
+    scaled = x.float() * _reciprocal(scale)[ids][:, :, None]
     if dtype == torch.int8:
         quant = scaled.round().clamp(-qmax, qmax).to(torch.int8)
     else:
@@ -171,11 +184,8 @@ def sage_quantize(
     q_q, q_scale = _quantize_blocks(q, q_ids, nq, quant.qk_max, quant.qk_dtype)
     k_q, k_scale = _quantize_blocks(k, k_ids, nk, quant.qk_max, quant.qk_dtype)
     v = v.float() if v_mean is None else v.float() - v_mean
-    v_amax = v.abs().amax(dim=0).clamp_min(AMAX_FLOOR)  # [heads, dim]
-    # An IEEE quotient, as the kernels compute it: on CUDA torch divides by a Python scalar as a multiply by
-    # its reciprocal, which lands one ulp off on about half the channels.
-    v_scale = v_amax / torch.full_like(v_amax, FP8_MAX)
-    v_q = (v / v_scale[None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    v_scale = _scale(v.abs().amax(dim=0), FP8_MAX)  # [heads, dim]
+    v_q = (v * _reciprocal(v_scale)[None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return SageTensors(q_q, k_q, v_q, q_scale, k_scale, v_scale, q_ids, k_ids, v_mean, k_mean)
 
 

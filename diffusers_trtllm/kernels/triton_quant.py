@@ -85,6 +85,9 @@ V_STATS_STAGES = 3
 #: H100 when the stats had launches of their own: 57 + 28 us against 40 + 3 us at flux_1024, 100 + 29 us against
 #: 81 + 10 us at 16,896 tokens; benchmarks/results/profile_call_h100_run2.md against _run1.md.)
 _AMAX_FLOOR, _FP8_MAX = tl.constexpr(AMAX_FLOOR), tl.constexpr(FP8_MAX)
+#: Launch options of the launches that quantize: no fused multiply-add, so that ``x * (1 / scale)`` is rounded before
+#: the rounding to the int8 grid adds to it, as ``reference``'s is (fused, it rounds once and can differ at a tie).
+_UNFUSED = dict(enable_fp_fusion=False)
 
 
 def interpreting() -> bool:
@@ -203,6 +206,14 @@ def _amax_scale(amax, qmax):
 
 
 @triton.jit
+def _reciprocal(scale):
+    """``1 / scale`` rounded to nearest: values are quantized as ``x * (1 / scale)``, one multiply each where a
+    correctly rounded division took a reciprocal, its check and a fix-up (the quantizers' launches turn off
+    multiply-add fusion, so the product is rounded before the rounding to the grid, as ``reference``'s)."""
+    return tl.math.div_rn(1.0, scale)
+
+
+@triton.jit
 def _quantize_tile(x, QMAX: tl.constexpr, BS: tl.constexpr, BLOCK_T: tl.constexpr, IS_INT8: tl.constexpr,
                    NATIVE: tl.constexpr, PER_THREAD: tl.constexpr):
     """Per-block scales of a ``[BLOCK_T, D]`` fp32 tile whose first row starts a block: ``[BLOCK_T // BS]``, or
@@ -214,11 +225,12 @@ def _quantize_tile(x, QMAX: tl.constexpr, BS: tl.constexpr, BLOCK_T: tl.constexp
     amax = max_nan(tl.abs(x), 1)
     if PER_THREAD:  # rows 8i + 2l + e of a block are lane l's
         scale = _amax_scale(max_nan(max_nan(tl.reshape(amax, (BLOCK_T // BS, BS // 8, 4, 2)), 3), 1), QMAX)
-        row_scale = tl.reshape(tl.broadcast_to(scale[:, None, :, None], (BLOCK_T // BS, BS // 8, 4, 2)), (BLOCK_T,))
+        row_inv = tl.reshape(tl.broadcast_to(_reciprocal(scale)[:, None, :, None], (BLOCK_T // BS, BS // 8, 4, 2)),
+                             (BLOCK_T,))
     else:
         scale = _amax_scale(max_nan(tl.reshape(amax, (BLOCK_T // BS, BS)), 1), QMAX)
-        row_scale = tl.reshape(tl.broadcast_to(scale[:, None], (BLOCK_T // BS, BS)), (BLOCK_T,))
-    y = tl.math.div_rn(x, row_scale[:, None])
+        row_inv = tl.reshape(tl.broadcast_to(_reciprocal(scale)[:, None], (BLOCK_T // BS, BS)), (BLOCK_T,))
+    y = x * row_inv[:, None]
     if IS_INT8:
         y = tl.clamp(_rne(y), -QMAX, QMAX).to(tl.int8)
     else:
@@ -326,7 +338,7 @@ def _quantize_v_rows(v_ptr, stride_t, stride_h, vt_ptr, vt_stride, v_scale_ptr, 
     runs in this launch."""
     dims = tl.arange(0, D)
     mean = tl.load(v_mean_ptr + head * D + dims)
-    scale = tl.load(v_scale_ptr + head * D + dims)
+    inv = _reciprocal(tl.load(v_scale_ptr + head * D + dims))
     start = tl.load(cu_ptr + seq)
     length = tl.load(cu_ptr + seq + 1) - start
     first = vt_start(seq, start)
@@ -337,7 +349,7 @@ def _quantize_v_rows(v_ptr, stride_t, stride_h, vt_ptr, vt_stride, v_scale_ptr, 
         ok = keys < length
         x = tl.load(v_ptr + (start + keys)[:, None].to(tl.int64) * stride_t + head * stride_h + dims[None, :],
                     mask=ok[:, None], other=0.0)
-        y = tl.math.div_rn(x.to(tl.float32) - mean[None, :], scale[None, :])  # V less its mean (smooth_v)
+        y = (x.to(tl.float32) - mean[None, :]) * inv[None, :]  # V less its mean (smooth_v)
         y = tl.where(ok[:, None], _on_fp8_grid(tl.clamp(y, -448.0, 448.0), NATIVE), 0.0)  # zeros, whatever the scale
         vq = tl.trans(y.to(tl.float8e4nv) if NATIVE else y.to(tl.float16))  # [channels, columns]
         v_rows = vt_ptr + (head * D + dims)[:, None].to(tl.int64) * vt_stride
@@ -539,7 +551,7 @@ def sage_quantize_triton(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         H=heads, HKV=kv_heads, D=dim, BLOCK_T=QUANT_BLOCK_T, Q_BS=quant.q_block_size, QMAX=quant.qk_max,
         IS_INT8=is_int8, NATIVE=native, SMOOTH_K=quant.smooth_k, STATS_BLOCK_T=V_STATS_BLOCK_T,
-        STATS_STAGES=V_STATS_STAGES, DO_Q=True, num_warps=QUANT_WARPS,
+        STATS_STAGES=V_STATS_STAGES, DO_Q=True, num_warps=QUANT_WARPS, **_UNFUSED,
     )
     # Then K tiles of at least a K block (a tile starts whole blocks: _quantize_tile), V tiles of QUANT_BLOCK_T
     # columns over a sequence's keys and the gap after them.
@@ -555,6 +567,6 @@ def sage_quantize_triton(
             HKV=kv_heads, D=dim, BLOCK_T=QUANT_BLOCK_T, BLOCK_K=block_k, K_BS=quant.k_block_size, QMAX=quant.qk_max,
             IS_INT8=is_int8, SMOOTH_K=quant.smooth_k, NATIVE=native, MMA_KEY_ORDER=mma_key_order,
             K_PER_THREAD=quant.k_per_thread, DO_K="k" in parts, DO_V="v" in parts,
-            num_warps=launch_warps(parts, block_k),
+            num_warps=launch_warps(parts, block_k), **_UNFUSED,
         )
     return out
