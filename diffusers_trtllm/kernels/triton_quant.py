@@ -61,12 +61,15 @@ __all__ = ["TritonSage", "sage_quantize_triton", "mma_key_column", "fp8_native",
 
 #: Tokens per Q or V program of the quantization kernel: a multiple of every Q block size (K programs take
 #: max(this, the K block): a tile starts whole blocks) and of 16 (V's key order permutes within groups of 16).
-QUANT_BLOCK_T = 64
+QUANT_BLOCK_T = 128
 #: The most columns ``vt_start`` leaves between a sequence's last key and the next sequence's first (17 the least).
 VT_GAP_MAX = 47
-#: Warps per program of QUANT_BLOCK_T tokens. A launch with K tiles of more tokens (a K block of 128) gives all
-#: its programs proportionally more, so that a K tile's threads hold no more values each than a Q tile's.
-QUANT_WARPS = 8
+#: Warps per program of QUANT_BLOCK_T tokens. A launch with K tiles of more tokens gives all its programs
+#: proportionally more, so that a K tile's threads hold no more values each than a Q tile's. 128 tokens of 4 warps
+#: (128 values a thread, ~170-180 registers, two programs an SM, each thread's loads all in flight at once) ran
+#: the quantizer in 62 us at flux_1024 against 78 for 64 of 8, 199 against 219 at 16,896 keys (H200, GPU-bound,
+#: benchmarks/results/quantizer_sweep_h200_gpu_bound.md).
+QUANT_WARPS = 4
 #: The launches after the first (which quantizes Q beside K and V's statistics), each the parts (K, V) it
 #: quantizes: a part launched alone is compiled alone, with the registers its own tiles need. Calls of at most
 #: ``QUANT_ONE_LAUNCH_TOKENS`` keys make one launch of both (``QUANT_SHORT_LAUNCHES``), where a launch's fixed
@@ -75,9 +78,9 @@ QUANT_LAUNCHES = ("k", "v")
 QUANT_SHORT_LAUNCHES = ("kv",)
 QUANT_ONE_LAUNCH_TOKENS = 16896
 #: Tokens per statistics program of the first launch (at Wan 480p, 64 spans of each of the 40 heads), the tokens
-#: it reads per step (with ``QUANT_WARPS`` warps, the first launch's: 16 keep its registers near Q's tiles' own,
-#: 62-71 against 58 at d128 on sm_90, where 32 take 94-99), and the steps its loads are issued ahead (``tl.range``
-#: stages): a long serial chain of loads in the program that starts first would otherwise bound the launch.
+#: it reads per step (with ``QUANT_WARPS`` warps, the first launch's; set when those were 8 a program of 64 tokens,
+#: where 32 took more registers than Q's tiles), and the steps its loads are issued ahead (``tl.range`` stages): a
+#: long serial chain of loads in the program that starts first would otherwise bound the launch.
 V_STATS_ROWS = 512
 V_STATS_BLOCK_T = 16
 V_STATS_STAGES = 3
