@@ -6,7 +6,9 @@ Each setting is (tokens per Q/V program, warps per program of that many tokens, 
 tiles), per ``--k-blocks`` value (K programs take tiles of max(tokens, K block)); every setting's output must
 equal the default's bit for bit (the layout does not depend on them). ``--baseline FILE[,FILE]`` times other
 versions of ``triton_quant.py`` beside them (an earlier commit's,
-``git show REV:diffusers_trtllm/kernels/triton_quant.py > FILE``), their output checked the same way. ``copy ms``
+``git show REV:diffusers_trtllm/kernels/triton_quant.py > FILE``), their output checked the same way. Every time
+is GPU-bound (``cta_cost.gpu_ms``: launches queued behind a GPU sleep), so the host's share, the same for every
+setting, does not hide the GPU's. ``copy ms``
 is torch copying Q, K and V once (reads and writes of the quantizer's input size): the memory floor. ``ms`` is the
 whole quantizer, K and V's statistics (V's mean, min and max, K's sampled mean) included: they run in its first
 launch beside Q's tiles. A second table times, per statistics setting (tokens per span, per step, and the steps its
@@ -30,8 +32,8 @@ import torch
 from tqdm import tqdm
 
 from bench_sage_sm90 import environment, write_result
+from cta_cost import gpu_ms
 from diffusers_trtllm.bench.inputs import parse_shapes, structured_qkv
-from diffusers_trtllm.bench.timing import time_fn
 from diffusers_trtllm.config import QuantConfig
 from diffusers_trtllm.kernels import triton_quant
 from diffusers_trtllm.kernels.reference import channel_mean, key_mean
@@ -67,7 +69,7 @@ def run_shape(shape, grid: list[tuple], stats_grid: list[tuple[int, ...]], iters
     layout = PackedLayout.dense(1, q.shape[0], k.shape[0], dev)
     quant = QuantConfig("int8", 1, k_block)
     ref = _outputs(sage_sm90_quantize(q, k, v, layout, quant))
-    time = lambda fn: time_fn(fn, dev, warmup=3, iters=iters).median_ms  # noqa: E731
+    time = lambda fn: gpu_ms(fn, iters)  # noqa: E731
     base = dict(shape=shape.name, k_block=k_block, copy_ms=time(lambda: [x.clone() for x in (q, k, v)]),
                 torch_stats_ms=time(lambda: (key_mean(k), channel_mean(v), torch.aminmax(v, dim=0))))
     quantize = functools.partial(sage_sm90_quantize, q, k, v, layout, quant)

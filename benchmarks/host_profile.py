@@ -4,8 +4,9 @@
 
 Issue 57's host side: ``profile_call.py`` gives one call's CPU time; this splits it (the quantizer alone, the
 kernel with the quantized inputs given, the whole call), counts the calls that took Triton's own launch path
-(``JITFunction.run``) instead of ``triton_launch``'s direct one, and lists the functions that cost the most.
-Each part runs ``--calls`` times back to back behind a GPU sleep, so no launch waits for the GPU.
+(``JITFunction.run``) instead of ``triton_launch``'s direct one, gives a timeline of the int8 call and of the
+quantizer (each launch's start and end from the call's start, median CPU microseconds), and lists the functions
+that cost the most. Each part runs ``--calls`` times back to back behind a GPU sleep, so no launch waits for the GPU.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ import cProfile
 import io
 import json
 import pstats
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -51,6 +54,39 @@ def slow_launches(fn, calls: int) -> int:
         JITFunction.run = original
     torch.cuda.synchronize()
     return count[0]
+
+
+def timeline(fn, calls: int) -> dict[str, float]:
+    """Median CPU microseconds from a call's start to each of its launches' start and end and to its return, the
+    GPU kept busy (our Triton launches and the CUDA kernel's; a route launching elsewhere shows none)."""
+    from diffusers_trtllm.kernels import cuda_jit, triton_quant
+
+    stamps: list[int] = []
+
+    def timed(launch):
+        def call(*args, **kwargs):
+            stamps.append(time.perf_counter_ns())
+            launch(*args, **kwargs)
+            stamps.append(time.perf_counter_ns())
+        return call
+
+    saved = triton_quant.launch, cuda_jit.CudaKernel.launch
+    triton_quant.launch, cuda_jit.CudaKernel.launch = timed(saved[0]), timed(saved[1])
+    per_call = []
+    try:
+        fn()
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(2e9))
+        for _ in range(calls):
+            stamps.clear()
+            start = time.perf_counter_ns()
+            fn()
+            per_call.append([(t - start) / 1e3 for t in (*stamps, time.perf_counter_ns())])
+    finally:
+        triton_quant.launch, cuda_jit.CudaKernel.launch = saved
+    torch.cuda.synchronize()
+    names = [f"launch {i // 2 + 1} {'start' if i % 2 == 0 else 'end'}" for i in range(len(per_call[0]) - 1)] + ["return"]
+    return {name: statistics.median(c[i] for c in per_call) for i, name in enumerate(names)}
 
 
 def profile(fn, calls: int, top: int) -> str:
@@ -95,6 +131,10 @@ def main() -> None:
             for name, fn in parts.items():
                 row = dict(shape=shape.name, part=name, cpu_us=cpu_us(fn, args.calls),
                            slow_launches_per_call=slow_launches(fn, 20) / 20)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            for name in ("int8 call", "quantizer"):
+                row = dict(shape=shape.name, part=f"{name} timeline", us=timeline(parts[name], args.calls))
                 rows.append(row)
                 print(json.dumps(row), flush=True)
             print(f"== cProfile, {shape.name}, int8 call x {args.calls}")
