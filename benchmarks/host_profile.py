@@ -85,7 +85,7 @@ def timeline(fn, calls: int) -> dict[str, float]:
     finally:
         triton_quant.launch, cuda_jit.CudaKernel.launch = saved
     torch.cuda.synchronize()
-    names = [f"launch {i // 2 + 1} {'start' if i % 2 == 0 else 'end'}" for i in range(len(per_call[0]) - 1)] + ["return"]
+    names = [f"launch {i // 2 + 1} {('start', 'end')[i % 2]}" for i in range(len(per_call[0]) - 1)] + ["return"]
     return {name: statistics.median(c[i] for c in per_call) for i, name in enumerate(names)}
 
 

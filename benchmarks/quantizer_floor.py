@@ -39,7 +39,8 @@ def main() -> None:
     args = p.parse_args()
     dev = torch.device("cuda")
     quant = QuantConfig("int8", smooth_k=True).with_k_block(K_BLOCK, K_PER_THREAD)
-    modules = {"ours": triton_quant} | {path: load_baseline(path, i) for i, path in enumerate(filter(None, args.variants.split(",")))}
+    variants = filter(None, args.variants.split(","))
+    modules = {"ours": triton_quant} | {path: load_baseline(path, i) for i, path in enumerate(variants)}
     rows = []
     for shape in parse_shapes(args.shapes):
         q, k, v = (x.reshape(-1, *x.shape[2:]) for x in structured_qkv(shape, 0.5, device=dev, k_mean=4.0))
@@ -68,8 +69,8 @@ def main() -> None:
 
 def markdown(result: dict) -> str:
     env = result["environment"]
-    lines = [f"GPU {env['gpu']}, torch {env['torch']}, CUDA {env['cuda']}, Triton {env['triton']}; `{result['command']}`",
-             "", "| shape | quantizer | ms | TB/s | stats alone ms | torch casts ms | differ |",
+    head = f"GPU {env['gpu']}, torch {env['torch']}, CUDA {env['cuda']}, Triton {env['triton']}; `{result['command']}`"
+    lines = [head, "", "| shape | quantizer | ms | TB/s | stats alone ms | torch casts ms | differ |",
              "|---|---|---:|---:|---:|---:|---:|"]
     lines += [f"| {r['shape']} | {r['quantizer']} | {r['quantizer_ms']:.4f} | {r['tb_s']:.2f} | {r['stats_ms']:.4f} | "
               f"{r['casts_ms']:.4f} | {r['differ']} |" for r in result["rows"]]

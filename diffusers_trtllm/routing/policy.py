@@ -44,8 +44,9 @@ SAGE_MIN_KV_SM90 = 16384
 #: fa3 dense (issue 57, benchmarks/results/profile_call_h100_run6.md): 4,608 keys 0.915x / 1.094x cuDNN,
 #: 8,704 keys 0.935x (served 1.001x) / 1.011x (a tie, as in runs 4 and 5), 12,800 keys 1.135x / 0.952x, 16,896
 #: keys 1.340x / 0.893x; Wan-14B 480p (32,760 keys) 1.482x / 1.149x (run 4). So it runs from 12,800, the shortest
-#: length where it measured faster; the crossover lies between 8,704 and 12,800 (on an H100; the H200's is not
-#: measured).
+#: length where it measured faster; the crossover lies between 8,704 and 12,800 on an H100. On an H200 int8 led from
+#: 8,704 keys (1.001x / 0.983x; benchmarks/results/profile_call_h200_crossover.md); one line serves both until a
+#: forward between the two lengths (Flux 1536², 9,728 tokens) says whether it can move down.
 SAGE_INT8_MIN_KV_SM90 = 12800
 
 #: Where sage-sm90 cannot serve the call (no nvcc, a backend that names another route), int8 SAGE runs on
