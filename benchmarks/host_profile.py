@@ -70,8 +70,11 @@ def timeline(fn, calls: int) -> dict[str, float]:
             stamps.append(time.perf_counter_ns())
         return call
 
-    saved = triton_quant.launch, cuda_jit.CudaKernel.launch
+    bound = getattr(triton_quant, "BoundLaunch", None)  # the quantizer's launches (a package before it: launch)
+    saved = triton_quant.launch, cuda_jit.CudaKernel.launch, bound and bound.__call__
     triton_quant.launch, cuda_jit.CudaKernel.launch = timed(saved[0]), timed(saved[1])
+    if bound:
+        bound.__call__ = timed(saved[2])
     per_call = []
     try:
         fn()
@@ -83,7 +86,9 @@ def timeline(fn, calls: int) -> dict[str, float]:
             fn()
             per_call.append([(t - start) / 1e3 for t in (*stamps, time.perf_counter_ns())])
     finally:
-        triton_quant.launch, cuda_jit.CudaKernel.launch = saved
+        triton_quant.launch, cuda_jit.CudaKernel.launch = saved[:2]
+        if bound:
+            bound.__call__ = saved[2]
     torch.cuda.synchronize()
     names = [f"launch {i // 2 + 1} {('start', 'end')[i % 2]}" for i in range(len(per_call[0]) - 1)] + ["return"]
     return {name: statistics.median(c[i] for c in per_call) for i, name in enumerate(names)}

@@ -8,7 +8,8 @@ A tiny Flux's first joint attention layer, bound by ``install``, served through 
 Diffusers model's eager forward calls it) and through ``attention`` directly, on CPU tensors of Flux 1024²'s
 shape (the plan cache keys on shapes, not values); the route's ``run`` returns a preallocated output. With int8,
 ``quantizer`` is the ``sage-sm90`` route's quantizer (``sage_quantize_triton``) with its two launches stubbed:
-its own Python, which an int8 call adds to the route's.
+its own Python, which an int8 call adds to the route's; ``sage-sm90`` the route's whole call (quantizer included)
+with the device taken for an SM90 GPU and every launch stubbed.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ def main() -> None:
     }
     if args.quant == "int8":
         calls["quantizer"] = _stubbed_quantizer(q[0], k[0], v[0])
+        calls["sage-sm90"] = _stubbed_sage_sm90(q[0], k[0], v[0])
     undo = _stub_routes()
     try:
         with torch.inference_mode():
@@ -74,17 +76,43 @@ def main() -> None:
 
 
 def _stubbed_quantizer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-    """``sage_sm90_quantize`` of packed Q, K, V with its launches (and the span counters they take) stubbed."""
+    """``sage_sm90_quantize`` of packed Q, K, V with its launches stubbed."""
     from diffusers_trtllm.config import QuantConfig
     from diffusers_trtllm.kernels import triton_quant
     from diffusers_trtllm.kernels.sage_sm90 import sage_sm90_quantize
     from diffusers_trtllm.layout import PackedLayout
 
-    triton_quant.launch = lambda *args, **kwargs: None
-    triton_quant._tickets = lambda device, kv_heads: None
+    triton_quant.BoundLaunch.__call__ = lambda self, *tensors: None
     layout = PackedLayout.dense(1, q.shape[0], k.shape[0], q.device)
     quant = QuantConfig("int8")
     return lambda: sage_sm90_quantize(q, k, v, layout, quant)
+
+
+def _stubbed_sage_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """``sage_sm90_attention`` of packed Q, K, V (the ``sage-sm90`` route's call, quantizer included) on the CPU:
+    the device taken for an SM90 GPU, the quantizer's launches, the TMA maps' encoding (not their cache) and the
+    kernel's launch stubbed."""
+    from diffusers_trtllm.config import QuantConfig
+    from diffusers_trtllm.kernels import cuda_jit, sage_sm90
+    from diffusers_trtllm.layout import PackedLayout
+
+    _stubbed_quantizer(q, k, v)
+
+    class Kernel:
+        def launch(self, grid, block, arguments, stream):
+            pass
+
+    class Map:
+        address = 0
+
+    sage_sm90.device_sm = lambda device: 90
+    sage_sm90._kernel = lambda *args: Kernel()
+    cuda_jit.current_stream = lambda device: 0
+    cuda_jit.TensorMap.bytes_2d = classmethod(lambda cls, *args: Map())
+    layout = PackedLayout.dense(1, q.shape[0], k.shape[0], q.device)
+    quant = QuantConfig("int8")
+    scale = q.shape[-1] ** -0.5
+    return lambda: sage_sm90.sage_sm90_attention(q, k, v, layout, softmax_scale=scale, quant=quant)
 
 
 if __name__ == "__main__":

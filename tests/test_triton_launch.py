@@ -139,3 +139,37 @@ def test_cdiv_is_tritons():
     for a in (0, 1, 127, 128, 129, 4608, 16896):
         for b in (1, 16, 128):
             assert cdiv(a, b) == triton.cdiv(a, b)
+
+
+def test_bound_launch_binds_once_and_keeps_no_tensor(faked):
+    compiled, normal = faked
+    x, y = torch.empty(64), torch.empty(64)
+    bound = triton_launch.BoundLaunch(_scale, (4,), x, y, 64, 0.5, BLOCK=64, num_warps=4)
+    assert bound.args == (None, None, 64, 0.5)  # the tensors' places, not the tensors
+    bound(x, y)
+    assert len(normal) == 1 and compiled.calls == []
+    assert bound.found[3] == [None, None, 64, 0.5, 64, False]  # nothing of the first call's tensors kept
+    x2, y2 = torch.empty(64), torch.empty(64)
+    bound(x2, y2)
+    assert len(normal) == 1
+    assert compiled.calls == [(4, 1, 1, 99, 7, "metadata", None, None, None, x2, y2, 64, 0.5, 64, False)]
+    bound(torch.empty(64, dtype=torch.float16), y2)  # another dtype: launch's path, its own key
+    assert len(normal) == 2
+    bound(x2[1:], y2)  # off alignment: launch's path
+    assert len(normal) == 3
+    with pytest.raises(TypeError, match="takes 2 tensors"):
+        bound(x2)
+
+
+def test_bound_launch_takes_the_normal_path_under_hooks(faked):
+    compiled, normal = faked
+    x, y = torch.empty(64), torch.empty(64)
+    bound = triton_launch.BoundLaunch(_scale, (4,), x, y, 64, 0.5, BLOCK=64)
+    bound(x, y)
+    hook = lambda *args: None  # noqa: E731
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        bound(x, y)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert len(normal) == 2 and compiled.calls == []

@@ -76,3 +76,26 @@ def test_direct_launch_on_a_side_stream():
             triton_launch.launch(_axpy, (n // 256,), x, y, got, n, 2.0, BLOCK=256, SQUARE=False)
     torch.cuda.current_stream().wait_stream(stream)
     assert torch.equal(got, want)
+
+
+def test_bound_launch_repeats_with_new_tensors(counted_runs):
+    """``BoundLaunch``: the first call takes ``launch``'s path, repeats with fresh tensors go to the compiled
+    kernel's launcher and write ``kernel[grid]``'s bits; a tensor off 16-byte alignment takes ``launch`` again."""
+    n = 3000  # two warps: a key no other test makes, so the first call compiles through JITFunction.run
+    bound = triton_launch.BoundLaunch(_axpy, (triton.cdiv(n, 128),), torch.empty(0, device="cuda"),
+                                      torch.empty(0, device="cuda"), torch.empty(0, device="cuda"), n, 1.5,
+                                      BLOCK=128, SQUARE=True, num_warps=2)
+    before = len(counted_runs)
+    for i in range(3):
+        x, y = torch.randn(n + 4, device="cuda"), torch.randn(n, device="cuda")
+        want = torch.empty(n, device="cuda")
+        _axpy[(triton.cdiv(n, 128),)](x, y, want, n, 1.5, BLOCK=128, SQUARE=True, num_warps=2)
+        got = torch.full((n,), float("nan"), device="cuda")
+        bound(x, y, got)
+        assert torch.equal(got, want), i
+    assert len(counted_runs) - before == 3 + 1  # the three kernel[grid] above and the bound launch's first
+    want = torch.empty(n, device="cuda")
+    _axpy[(triton.cdiv(n, 128),)](x[1:], y, want, n, 1.5, BLOCK=128, SQUARE=True, num_warps=2)
+    got = torch.empty(n, device="cuda")
+    bound(x[1:], y, got)  # another specialization: compiled by launch (kernel[grid] above made it already)
+    assert torch.equal(got, want)

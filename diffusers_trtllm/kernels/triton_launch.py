@@ -17,6 +17,9 @@ value, and for every other argument what Triton specializes it on (``_specializa
 pipeline-inspection hooks all take the normal path. Triton's environment settings (``TRITON_DEBUG``, ...) are
 read at a specialization's first launch, not on every call, and the check that the kernel's global constants
 are unchanged is not repeated.
+
+:class:`BoundLaunch` goes one step further for a caller that repeats a whole call (the quantizer's plan per call
+shape): every argument but the tensors is bound once, and a repeat checks only its tensors' dtypes and alignment.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from triton.runtime.driver import driver
 from triton.runtime.jit import JITFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-__all__ = ["cdiv", "launch", "launch_key"]
+__all__ = ["BoundLaunch", "cdiv", "launch", "launch_key"]
 
 _REQUIRED = inspect.Parameter.empty
 _TENSOR = torch.Tensor
@@ -145,10 +148,17 @@ def _hooked(kernel: JITFunction) -> bool:
 def launch(kernel: JITFunction, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
     """``kernel[grid](*args, **kwargs)``; a call whose specialization launched before calls its compiled kernel's
     launcher directly (module docstring)."""
+    _launch(kernel, grid, args, kwargs)
+
+
+def _launch(kernel: JITFunction, grid: tuple[int, ...], args: tuple, kwargs: dict) -> tuple | None:
+    """``launch``; returns what a repeat of the call can launch with (``BoundLaunch``): the compiled kernel's
+    launcher, function and metadata, every bound argument's value and the device, or None where Triton's own path
+    ran and nothing was kept."""
     spec = _kernel(kernel)
     if spec is None or callable(grid) or _hooked(kernel):
         kernel[grid](*args, **kwargs)
-        return
+        return None
     get_device, get_stream = _driver_calls()
     device = get_device()
     try:
@@ -157,15 +167,57 @@ def launch(kernel: JITFunction, grid: tuple[int, ...], *args: Any, **kwargs: Any
         found = spec.launchers.get(key)
     except (_Unkeyed, TypeError):  # TypeError: an unhashable constexpr
         kernel[grid](*args, **kwargs)
-        return
+        return None
     if found is None:
         compiled = kernel[grid](*args, **kwargs)
-        if isinstance(compiled, CompiledKernel):  # not a future of an asynchronous compile
-            spec.launchers[key] = (compiled.run, compiled.function, compiled.packed_metadata)
-        return
-    run, function, metadata = found
-    run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, get_stream(device), function,
-        metadata, None, None, None, *values)
+        if not isinstance(compiled, CompiledKernel):  # a future of an asynchronous compile
+            return None
+        found = spec.launchers[key] = (compiled.run, compiled.function, compiled.packed_metadata)
+    else:
+        run, function, metadata = found
+        run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, get_stream(device), function,
+            metadata, None, None, None, *values)
+    return (*found, values, device)
+
+
+class BoundLaunch:
+    """``kernel[grid](*args, **kwargs)`` made once, then again with other tensors in the places of ``args``' tensors
+    (positional, in order): for a caller that repeats a call whose other arguments hold, as the quantizer's plan per
+    call shape does. A repeat whose tensors have the first call's dtypes and 16-byte alignment, on its device, calls
+    the compiled kernel's launcher with no key computed (``launch`` computes one for every argument, ~8 us of CPU a
+    launch on an H200's host); any other takes ``launch``."""
+
+    __slots__ = ("kernel", "grid", "args", "kwargs", "slots", "found")
+
+    def __init__(self, kernel: JITFunction, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
+        self.kernel, self.kwargs = kernel, kwargs
+        self.grid = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+        self.slots = tuple(i for i, x in enumerate(args) if isinstance(x, _TENSOR))
+        self.args = tuple(None if i in self.slots else x for i, x in enumerate(args))  # no tensor kept alive
+        self.found: tuple | None = None  # launcher, function, metadata, values, device, each tensor's (dtype, aligned)
+
+    def __call__(self, *tensors: torch.Tensor) -> None:
+        if len(tensors) != len(self.slots):
+            raise TypeError(f"this launch takes {len(self.slots)} tensors (its bound tensors' places); got {len(tensors)}")
+        found = self.found
+        if found is not None and not _hooked(self.kernel):
+            run, function, metadata, values, device, kinds = found
+            get_device, get_stream = _driver_calls()
+            if get_device() == device and all(
+                    (t.dtype, not t.data_ptr() & 15) == kind for t, kind in zip(tensors, kinds)):
+                values = values.copy()
+                for i, t in zip(self.slots, tensors):
+                    values[i] = t
+                run(*self.grid, get_stream(device), function, metadata, None, None, None, *values)
+                return
+        args = list(self.args)
+        for i, t in zip(self.slots, tensors):
+            args[i] = t
+        found = _launch(self.kernel, self.grid, tuple(args), self.kwargs)
+        if found is not None:
+            *launcher, values, device = found
+            values = [None if i in self.slots else x for i, x in enumerate(values)]
+            self.found = (*launcher, values, device, tuple((t.dtype, not t.data_ptr() & 15) for t in tensors))
 
 
 def _driver_calls():

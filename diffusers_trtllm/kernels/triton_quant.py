@@ -54,7 +54,7 @@ from ..config import DEFAULT_K_BLOCK, QuantConfig
 from ..layout import PackedLayout
 from . import cuda_jit
 from .reference import AMAX_FLOOR, FP8_MAX, KEY_MEAN_SAMPLE, block_ids, scale_slots
-from .triton_launch import cdiv, launch
+from .triton_launch import BoundLaunch, cdiv, launch
 
 __all__ = ["TritonSage", "sage_quantize_triton", "mma_key_column", "fp8_native", "interpreting", "round_fp8_grid", "vt_start", "max_nan", "kv_stats",
            "KVStats", "quant_launches"]
@@ -511,65 +511,106 @@ def sage_quantize_triton(
     mma_key_order: bool = False,
 ) -> TritonSage:
     """Quantize packed ``[tokens, heads, dim]`` Q, K, V for the ``triton`` route (``mma_key_order``: in the
-    ``sage-sm90`` kernel's key order; ``quant.k_block_size`` None: ``DEFAULT_K_BLOCK``)."""
-    quant = quant.with_k_block(DEFAULT_K_BLOCK)
-    tokens_kv, kv_heads, dim = k.shape
-    heads = q.shape[1]
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.stride(-1) != 1:
-            raise ValueError(f"SAGE quantization needs a unit stride on the head dim of {name}; got {tuple(x.stride())}.")
+    ``sage-sm90`` kernel's key order; ``quant.k_block_size`` None: ``DEFAULT_K_BLOCK``).
+
+    Everything but the tensors is worked out once per call shape (``_QuantPlan``): a repeat call allocates its
+    outputs and makes its launches, with none of the arguments' checks and sizes again (issue 57: the host time
+    before the first launch is a short call's on an idle GPU)."""
     device = q.device
-    native = fp8_native(device)
-    qk_dtype = quant.qk_dtype
-    if qk_dtype == torch.float8_e4m3fn and device.type == "cuda" and not native:
-        raise ValueError("quant.dtype_qk='fp8_e4m3' needs an SM89+ GPU; use dtype_qk='int8'.")
-    n_q_blocks = scale_slots(layout.q_lens, quant.q_block_size)
-    n_k_blocks = scale_slots(layout.kv_lens, quant.k_block_size, quant.k_per_thread)
-    spans = cdiv(tokens_kv, V_STATS_ROWS)
-    # One float32 allocation for the small buffers: the stats [5, kv_heads, dim] (smooth_v always, docs/design.md,
-    # "V's mean"), the spans' partials after them, then Q's and K's scales.
-    q_scale_at = _aligned((5 + 4 * spans) * kv_heads * dim)
-    k_scale_at = q_scale_at + _aligned(heads * n_q_blocks)
-    floats = torch.empty(k_scale_at + kv_heads * n_k_blocks, dtype=torch.float32, device=device)
-    k_mean, v_mean, _, _, v_scale = floats[:5 * kv_heads * dim].view(5, kv_heads, dim).unbind(0)
-    padded = vt_start.fn(layout.num_seqs, tokens_kv)
-    out = TritonSage(
-        q=torch.empty(q.shape, dtype=qk_dtype, device=device),
-        k=torch.empty(k.shape, dtype=qk_dtype, device=device),
-        vt=torch.empty(kv_heads * dim, padded, dtype=torch.float8_e4m3fn if native else torch.float16, device=device),
-        q_scale=floats.as_strided((heads, n_q_blocks), (n_q_blocks, 1), q_scale_at),
-        k_scale=floats.as_strided((kv_heads, n_k_blocks), (n_k_blocks, 1), k_scale_at),
-        v_scale=v_scale,
-        v_mean=v_mean,
-        mma_key_order=mma_key_order,
-        k_mean=k_mean if quant.smooth_k else None,
-    )
-    is_int8 = qk_dtype == torch.int8
-    # Launch 1: the stats' spans, then Q tiles of QUANT_BLOCK_T tokens.
-    n_q_tiles = cdiv(layout.max_seqlen_q, QUANT_BLOCK_T)
-    launch(
-        _q_and_stats_kernel, (spans * kv_heads + n_q_tiles * layout.num_seqs * heads,),
-        q, k, v, out.q, out.q_scale, floats, _tickets(device, kv_heads), layout.cu_seqlens_q,
-        n_q_blocks, n_q_tiles, layout.num_seqs, tokens_kv, V_STATS_ROWS, spans, max(1, tokens_kv // KEY_MEAN_SAMPLE),
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        H=heads, HKV=kv_heads, D=dim, BLOCK_T=QUANT_BLOCK_T, Q_BS=quant.q_block_size, QMAX=quant.qk_max,
-        IS_INT8=is_int8, NATIVE=native, SMOOTH_K=quant.smooth_k, STATS_BLOCK_T=V_STATS_BLOCK_T,
-        STATS_STAGES=V_STATS_STAGES, DO_Q=True, num_warps=QUANT_WARPS, **_UNFUSED,
-    )
-    # Then K tiles of at least a K block (a tile starts whole blocks: _quantize_tile), V tiles of QUANT_BLOCK_T
-    # columns over a sequence's keys and the gap after them.
-    block_k = max(QUANT_BLOCK_T, quant.k_block_size)
-    n_k_tiles = cdiv(layout.max_seqlen_kv, block_k)
-    n_v_tiles = cdiv(layout.max_seqlen_kv + VT_GAP_MAX, QUANT_BLOCK_T)
-    for parts in quant_launches(tokens_kv):
-        tiles = (n_k_tiles if "k" in parts else 0, n_v_tiles if "v" in parts else 0)
-        launch(
-            _kv_quant_kernel, (sum(tiles) * layout.num_seqs * kv_heads,),
-            k, v, out.k, out.vt, out.k_scale, floats, layout.cu_seqlens_kv,
-            n_k_blocks, *tiles, padded, layout.num_seqs, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            HKV=kv_heads, D=dim, BLOCK_T=QUANT_BLOCK_T, BLOCK_K=block_k, K_BS=quant.k_block_size, QMAX=quant.qk_max,
-            IS_INT8=is_int8, SMOOTH_K=quant.smooth_k, NATIVE=native, MMA_KEY_ORDER=mma_key_order,
-            K_PER_THREAD=quant.k_per_thread, DO_K="k" in parts, DO_V="v" in parts,
-            num_warps=launch_warps(parts, block_k), **_UNFUSED,
+    key = (q.shape, k.shape, q.stride(), k.stride(), v.stride(), q.dtype, layout.q_lens, layout.kv_lens, quant,
+           mma_key_order, device, cuda_jit.current_stream(device) if device.type == "cuda" else 0,
+           # the module's settings a plan is made with (a sweep or a test that sets one gets a plan of its own)
+           QUANT_BLOCK_T, QUANT_WARPS, QUANT_ONE_LAUNCH_TOKENS, QUANT_LAUNCHES, QUANT_SHORT_LAUNCHES, V_STATS_ROWS,
+           V_STATS_BLOCK_T, V_STATS_STAGES, KEY_MEAN_SAMPLE)
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        plan = _PLANS[key] = _QuantPlan(q, k, v, layout, quant.with_k_block(DEFAULT_K_BLOCK), mma_key_order)
+    return plan(q, k, v, layout)
+
+
+#: The quantizer's plans by call shape (``sage_quantize_triton``'s key), dropped together past ``_MAX_PLANS``.
+_PLANS: dict[tuple, "_QuantPlan"] = {}
+_MAX_PLANS = 256
+
+
+class _QuantPlan:
+    """The sizes, views and launches of quantizer calls of one shape: Q, K and V's shapes, strides and dtype, the
+    layout's lengths, the quant config, the key order, device and stream. The first call checks the arguments."""
+
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PackedLayout, quant: QuantConfig,
+                 mma_key_order: bool) -> None:
+        tokens_kv, kv_heads, dim = k.shape
+        heads = q.shape[1]
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            if x.stride(-1) != 1:
+                raise ValueError(f"SAGE quantization needs a unit stride on the head dim of {name}; got {tuple(x.stride())}.")
+        device = q.device
+        native = fp8_native(device)
+        self.qk_dtype = quant.qk_dtype
+        if self.qk_dtype == torch.float8_e4m3fn and device.type == "cuda" and not native:
+            raise ValueError("quant.dtype_qk='fp8_e4m3' needs an SM89+ GPU; use dtype_qk='int8'.")
+        self.mma_key_order, self.smooth_k = mma_key_order, quant.smooth_k
+        self.stats_shape, self.stats = (5, kv_heads, dim), 5 * kv_heads * dim
+        self.tickets = _tickets(device, kv_heads)
+        n_q_blocks = scale_slots(layout.q_lens, quant.q_block_size)
+        n_k_blocks = scale_slots(layout.kv_lens, quant.k_block_size, quant.k_per_thread)
+        spans = cdiv(tokens_kv, V_STATS_ROWS)
+        # One float32 allocation for the small buffers: the stats [5, kv_heads, dim] (smooth_v always,
+        # docs/design.md, "V's mean"), the spans' partials after them, then Q's and K's scales.
+        q_scale_at = _aligned((5 + 4 * spans) * kv_heads * dim)
+        k_scale_at = q_scale_at + _aligned(heads * n_q_blocks)
+        self.floats = k_scale_at + kv_heads * n_k_blocks
+        self.q_scale = ((heads, n_q_blocks), (n_q_blocks, 1), q_scale_at)  # as_strided's arguments
+        self.k_scale = ((kv_heads, n_k_blocks), (n_k_blocks, 1), k_scale_at)
+        padded = vt_start.fn(layout.num_seqs, tokens_kv)
+        self.vt_shape = (kv_heads * dim, padded)
+        self.vt_dtype = torch.float8_e4m3fn if native else torch.float16
+        # The outputs stand in for this call's in the bound launches (their places, not their values, are kept).
+        qo, ko = torch.empty(0, dtype=self.qk_dtype), torch.empty(0, dtype=self.qk_dtype)
+        vt, floats = torch.empty(0, dtype=self.vt_dtype), torch.empty(0, dtype=torch.float32)
+        is_int8 = self.qk_dtype == torch.int8
+        # Launch 1: the stats' spans, then Q tiles of QUANT_BLOCK_T tokens.
+        n_q_tiles = cdiv(layout.max_seqlen_q, QUANT_BLOCK_T)
+        self.first = BoundLaunch(
+            _q_and_stats_kernel, (spans * kv_heads + n_q_tiles * layout.num_seqs * heads,),
+            q, k, v, qo, floats, floats, self.tickets, layout.cu_seqlens_q,
+            n_q_blocks, n_q_tiles, layout.num_seqs, tokens_kv, V_STATS_ROWS, spans,
+            max(1, tokens_kv // KEY_MEAN_SAMPLE), q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
+            v.stride(1), H=heads, HKV=kv_heads, D=dim, BLOCK_T=QUANT_BLOCK_T, Q_BS=quant.q_block_size,
+            QMAX=quant.qk_max, IS_INT8=is_int8, NATIVE=native, SMOOTH_K=quant.smooth_k, STATS_BLOCK_T=V_STATS_BLOCK_T,
+            STATS_STAGES=V_STATS_STAGES, DO_Q=True, num_warps=QUANT_WARPS, **_UNFUSED,
         )
-    return out
+        # Then K tiles of at least a K block (a tile starts whole blocks: _quantize_tile), V tiles of QUANT_BLOCK_T
+        # columns over a sequence's keys and the gap after them.
+        block_k = max(QUANT_BLOCK_T, quant.k_block_size)
+        n_k_tiles = cdiv(layout.max_seqlen_kv, block_k)
+        n_v_tiles = cdiv(layout.max_seqlen_kv + VT_GAP_MAX, QUANT_BLOCK_T)
+        self.rest = []
+        for parts in quant_launches(tokens_kv):
+            tiles = (n_k_tiles if "k" in parts else 0, n_v_tiles if "v" in parts else 0)
+            self.rest.append(BoundLaunch(
+                _kv_quant_kernel, (sum(tiles) * layout.num_seqs * kv_heads,),
+                k, v, ko, vt, floats, floats, layout.cu_seqlens_kv,
+                n_k_blocks, *tiles, padded, layout.num_seqs, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                HKV=kv_heads, D=dim, BLOCK_T=QUANT_BLOCK_T, BLOCK_K=block_k, K_BS=quant.k_block_size,
+                QMAX=quant.qk_max, IS_INT8=is_int8, SMOOTH_K=quant.smooth_k, NATIVE=native,
+                MMA_KEY_ORDER=mma_key_order, K_PER_THREAD=quant.k_per_thread, DO_K="k" in parts, DO_V="v" in parts,
+                num_warps=launch_warps(parts, block_k), **_UNFUSED,
+            ))
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PackedLayout) -> TritonSage:
+        device = q.device
+        floats = torch.empty(self.floats, dtype=torch.float32, device=device)
+        qo = torch.empty(q.shape, dtype=self.qk_dtype, device=device)
+        q_scale = floats.as_strided(*self.q_scale)
+        self.first(q, k, v, qo, q_scale, floats, self.tickets, layout.cu_seqlens_q)
+        ko = torch.empty(k.shape, dtype=self.qk_dtype, device=device)
+        vt = torch.empty(self.vt_shape, dtype=self.vt_dtype, device=device)
+        k_scale = floats.as_strided(*self.k_scale)
+        for bound in self.rest:
+            bound(k, v, ko, vt, k_scale, floats, layout.cu_seqlens_kv)
+        k_mean, v_mean, _, _, v_scale = floats[:self.stats].view(self.stats_shape).unbind(0)
+        return TritonSage(q=qo, k=ko, vt=vt, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, v_mean=v_mean,
+                          mma_key_order=self.mma_key_order, k_mean=k_mean if self.smooth_k else None)
