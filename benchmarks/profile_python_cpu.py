@@ -7,9 +7,9 @@ machine without a GPU: ``profile_call.py``'s ``python_us`` where it cannot run.
 A tiny Flux's first joint attention layer, bound by ``install``, served through ``LayerState.serve`` (as a
 Diffusers model's eager forward calls it) and through ``attention`` directly, on CPU tensors of Flux 1024²'s
 shape (the plan cache keys on shapes, not values); the route's ``run`` returns a preallocated output. With int8,
-``quantizer`` is the ``sage-sm90`` route's quantizer (``sage_quantize_triton``) with its two launches stubbed:
-its own Python, which an int8 call adds to the route's; ``sage-sm90`` the route's whole call (quantizer included)
-with the device taken for an SM90 GPU and every launch stubbed.
+``quantizer`` is the ``sage-sm90`` route's quantizer (``sage_quantize_triton``) with Triton's compiled launcher
+faked: its own Python and our launch path, which an int8 call adds to the route's; ``sage-sm90`` the route's whole
+call (quantizer included) with the device taken for an SM90 GPU and every launch stubbed. Both on meta tensors.
 """
 
 from __future__ import annotations
@@ -76,13 +76,24 @@ def main() -> None:
 
 
 def _stubbed_quantizer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-    """``sage_sm90_quantize`` of packed Q, K, V with its launches stubbed."""
+    """``sage_sm90_quantize`` of packed Q, K, V with Triton's compiled launcher faked: our launch path runs whole
+    (``triton_launch``: the key, or a bound launch's checks) up to the launcher, which does nothing."""
+    from triton.compiler import CompiledKernel
+    from triton.runtime.jit import JITFunction
+
     from diffusers_trtllm.config import QuantConfig
-    from diffusers_trtllm.kernels import triton_quant
+    from diffusers_trtllm.kernels import triton_launch
     from diffusers_trtllm.kernels.sage_sm90 import sage_sm90_quantize
     from diffusers_trtllm.layout import PackedLayout
 
-    triton_quant.BoundLaunch.__call__ = lambda self, *tensors: None
+    class Compiled(CompiledKernel):
+        def __init__(self):
+            self.function, self.packed_metadata, self.module = 0, None, None
+            self._run = lambda *args: None
+
+    compiled = Compiled()
+    JITFunction.__getitem__ = lambda self, grid: lambda *args, **kwargs: compiled
+    triton_launch._DRIVER_CALLS = (lambda: 0, lambda device: 0)
     layout = PackedLayout.dense(1, q.shape[0], k.shape[0], q.device)
     quant = QuantConfig("int8")
     return lambda: sage_sm90_quantize(q, k, v, layout, quant)
@@ -90,8 +101,8 @@ def _stubbed_quantizer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
 
 def _stubbed_sage_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     """``sage_sm90_attention`` of packed Q, K, V (the ``sage-sm90`` route's call, quantizer included) on the CPU:
-    the device taken for an SM90 GPU, the quantizer's launches, the TMA maps' encoding (not their cache) and the
-    kernel's launch stubbed."""
+    the device taken for an SM90 GPU, Triton's compiled launcher faked (``_stubbed_quantizer``), the TMA maps'
+    encoding (not their cache) and the kernel's launch stubbed."""
     from diffusers_trtllm.config import QuantConfig
     from diffusers_trtllm.kernels import cuda_jit, sage_sm90
     from diffusers_trtllm.layout import PackedLayout
