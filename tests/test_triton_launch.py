@@ -173,3 +173,39 @@ def test_bound_launch_takes_the_normal_path_under_hooks(faked):
     finally:
         knobs.runtime.launch_enter_hook.remove(hook)
     assert len(normal) == 2 and compiled.calls == []
+
+
+def test_quantizer_plan_repeats_launch_the_first_calls_arguments(faked, monkeypatch):
+    """The quantizer's plan per call shape (``triton_quant._QuantPlan``): a repeat call hands the compiled kernels'
+    launchers, in order, every argument ``kernel[grid]`` took on the first call, this call's tensors in their places."""
+    from diffusers_trtllm.config import QuantConfig
+    from diffusers_trtllm.kernels import triton_quant
+    from diffusers_trtllm.layout import PackedLayout
+
+    compiled, normal = faked
+    monkeypatch.setattr(triton_quant, "_PLANS", {})  # a plan of another test's would hold its own launchers
+    layout = PackedLayout.dense(1, 300, 300, torch.device("cpu"))
+    quant = QuantConfig("int8", smooth_k=True)
+
+    def inputs():
+        return [torch.randn(300, 4, 64).to(torch.bfloat16) for _ in range(3)]
+
+    first = triton_quant.sage_quantize_triton(*inputs(), layout, quant, mma_key_order=True)
+    assert len(normal) == 2 and compiled.calls == []  # Q's tiles beside the stats, then K's and V's
+    q, k, v = inputs()
+    again = triton_quant.sage_quantize_triton(q, k, v, layout, quant, mma_key_order=True)
+    assert len(normal) == 2 and len(compiled.calls) == 2
+    for (grid, args, kwargs), call, made in zip(normal, compiled.calls, ([first.q], [first.k, first.vt])):
+        kernel = triton_quant._q_and_stats_kernel if "DO_Q" in kwargs else triton_quant._kv_quant_kernel
+        want, _, _ = triton_launch._kernel(kernel).bind(args, kwargs)
+        assert call[:3] == tuple(grid) + (1,) * (3 - len(grid)) and call[3:9] == (99, 7, "metadata", None, None, None)
+        got = list(call[9:])
+        assert len(got) == len(want)
+        for i, (a, b) in enumerate(zip(got, want)):
+            if isinstance(b, torch.Tensor):  # this call's tensor where the first call had its own
+                assert isinstance(a, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, i
+                assert not any(a is t for t in made)
+            else:
+                assert a == b, (i, a, b)
+    assert compiled.calls[0][9] is q and compiled.calls[0][12] is again.q
+    assert compiled.calls[1][9] is k and compiled.calls[1][11] is again.k and compiled.calls[1][12] is again.vt
