@@ -14,8 +14,8 @@
 #   `capture`: benchmarks/capture_probe.py (which copy breaks a CUDA graph capture of a served call);
 #   `e2e-profile`: where Flux.1-dev 1024²'s regional-compiled forward spends its GPU time, stock against our
 #              defaults, and our processor on cuDNN (`--backend sdpa`);
-#   `host`:    benchmarks/host_profile.py on flux_1024: each part's CPU time behind a busy GPU and a cProfile of
-#              the int8 call (where the host time before the first launch goes);
+#   `host`:    benchmarks/host_profile.py on flux_1024: each part's CPU time behind a busy GPU, each launch's time in
+#              an int8 call and a cProfile of it (where the host time before the first launch goes); BASE's first;
 #   `cta`:     benchmarks/cta_cost.py: the kernel alone at fixed grids (4,608 and 16,896 queries) with 1-72 KV tiles a
 #              CTA, and the fit of what a CTA pays once (DEFINES: a build's -D knobs, comma-separated);
 #   `kernel-ab`: the kernel alone (cta_cost.py, GPU-bound) with BASE's package and this one taken in turn, ROUNDS times,
@@ -57,8 +57,8 @@ for section in "$@"; do
   build)  # every sage-sm90 variant and the GPU tests' builds, 16 at a time (as sage_sm90_check.sh builds them)
     timeout "${BUILD_TIMEOUT:-120}" bash benchmarks/sage_sm90_check.sh build 2>&1 | tail -3 ;;
   tests)
-    timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider -x ${TESTS:-tests/test_sage_sm90_gpu.py \
-      tests/test_triton_attn_gpu.py} 2>&1 | tee "$out/gpu_tests.log" | tail -8 ;;
+    timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/test_sage_sm90_gpu.py \
+      tests/test_triton_attn_gpu.py tests/test_triton_launch_gpu.py} 2>&1 | tee "$out/gpu_tests.log" | tail -8 ;;
   e2e)
     timeout "${E2E_TIMEOUT:-400}" python3 -m diffusers_trtllm.bench e2e --models "${E2E_MODELS:-flux.1-dev}" --weights random \
       --configs "${E2E_CONFIGS:-stock,dense,sage-int8,stock-sage2}" --warmup 1 --iters 3 --time-limit 300 --out "$out" \
@@ -84,9 +84,13 @@ print(len(build_kernels([v for v in VARIANTS if v.out_dtype == torch.bfloat16], 
         --configs "$([ $backend = auto ] && echo stock,dense || echo dense)" --backend $backend --top 12 \
         --out "$out/profile_e2e_flux_regional_$backend.json" 2>&1 | grep -v "^\s*$" | tail -34
     done ;;
-  host)
-    timeout 60 python3 benchmarks/host_profile.py --shapes "${HOST_SHAPES:-flux_1024}" --calls 100 --top 40 \
-      --out "$out/host_profile.json" > "$out/host_profile.log" 2>&1; grep '^{' "$out/host_profile.log" ;;
+  host)  # with BASE: BASE's package first, then this one (host_profile_baseline.*, host_profile.*)
+    for label in ${BASE:+baseline} this; do
+      name="$out/host_profile$([ "$label" = baseline ] && echo _baseline)"
+      PYTHONPATH="$([ "$label" = baseline ] && echo "$BASE:")$PYTHONPATH" timeout 60 python3 benchmarks/host_profile.py \
+        --shapes "${HOST_SHAPES:-flux_1024}" --calls 100 --top 40 --out "$name.json" > "$name.log" 2>&1
+      grep '^{' "$name.log"
+    done ;;
   cta)
     timeout 120 python3 benchmarks/cta_cost.py --queries 4608,16896 --keys 128,512,1152,2304,4608,9216 \
       ${DEFINES:+--defines "$DEFINES"} --out "$out/cta_cost.json" 2>&1 | grep '^{' ;;
