@@ -78,16 +78,13 @@ def main() -> None:
         undo()
 
 
-def _stubbed_quantizer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-    """``sage_sm90_quantize`` of packed Q, K, V with Triton's compiled launcher faked: our launch path runs whole
-    (``triton_launch``: the key, or a bound launch's checks) up to the launcher, which does nothing."""
+def _fake_triton_launcher() -> None:
+    """Triton's compiled launcher faked: our launch path runs whole (``triton_launch``: the key, or a bound launch's
+    checks) up to the launcher, which does nothing."""
     from triton.compiler import CompiledKernel
     from triton.runtime.jit import JITFunction
 
-    from diffusers_trtllm.config import QuantConfig
     from diffusers_trtllm.kernels import triton_launch
-    from diffusers_trtllm.kernels.sage_sm90 import sage_sm90_quantize
-    from diffusers_trtllm.layout import PackedLayout
 
     class Compiled(CompiledKernel):
         def __init__(self):
@@ -97,6 +94,15 @@ def _stubbed_quantizer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     compiled = Compiled()
     JITFunction.__getitem__ = lambda self, grid: lambda *args, **kwargs: compiled
     triton_launch._DRIVER_CALLS = (lambda: 0, lambda device: 0)
+
+
+def _stubbed_quantizer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """``sage_sm90_quantize`` of packed Q, K, V with Triton's compiled launcher faked (``_fake_triton_launcher``)."""
+    from diffusers_trtllm.config import QuantConfig
+    from diffusers_trtllm.kernels.sage_sm90 import sage_sm90_quantize
+    from diffusers_trtllm.layout import PackedLayout
+
+    _fake_triton_launcher()
     layout = PackedLayout.dense(1, q.shape[0], k.shape[0], q.device)
     quant = QuantConfig("int8")
     return lambda: sage_sm90_quantize(q, k, v, layout, quant)
@@ -104,13 +110,13 @@ def _stubbed_quantizer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
 
 def _stubbed_sage_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     """``sage_sm90_attention`` of packed Q, K, V (the ``sage-sm90`` route's call, quantizer included) on the CPU:
-    the device taken for an SM90 GPU, Triton's compiled launcher faked (``_stubbed_quantizer``), the TMA maps'
+    the device taken for an SM90 GPU, Triton's compiled launcher faked (``_fake_triton_launcher``), the TMA maps'
     encoding (not their cache) and the kernel's launch stubbed."""
     from diffusers_trtllm.config import QuantConfig
     from diffusers_trtllm.kernels import cuda_jit, sage_sm90
     from diffusers_trtllm.layout import PackedLayout
 
-    _stubbed_quantizer(q, k, v)
+    _fake_triton_launcher()
 
     class Kernel:
         def launch(self, grid, block, arguments, stream):

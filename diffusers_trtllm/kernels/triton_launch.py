@@ -175,8 +175,7 @@ def _launch(kernel: JITFunction, grid: tuple[int, ...], args: tuple, kwargs: dic
         found = spec.launchers[key] = (compiled.run, compiled.function, compiled.packed_metadata)
     else:
         run, function, metadata = found
-        run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, get_stream(device), function,
-            metadata, None, None, None, *values)
+        run(*_grid3(grid), get_stream(device), function, metadata, None, None, None, *values)
     return (*found, values, device)
 
 
@@ -191,7 +190,7 @@ class BoundLaunch:
 
     def __init__(self, kernel: JITFunction, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
         self.kernel, self.kwargs = kernel, kwargs
-        self.grid = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+        self.grid = _grid3(grid)
         self.slots = tuple(i for i, x in enumerate(args) if isinstance(x, _TENSOR))
         self.args = tuple(None if i in self.slots else x for i, x in enumerate(args))  # no tensor kept alive
         self.found: tuple | None = None  # launcher, function, metadata, values, device, each tensor's (dtype, aligned)
@@ -218,6 +217,11 @@ class BoundLaunch:
             *launcher, values, device = found
             values = [None if i in self.slots else x for i, x in enumerate(values)]
             self.found = (*launcher, values, device, tuple((t.dtype, not t.data_ptr() & 15) for t in tensors))
+
+
+def _grid3(grid: tuple[int, ...]) -> tuple[int, int, int]:
+    """A grid of one to three dimensions as the launcher takes it: three, the missing ones 1."""
+    return grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1
 
 
 def _driver_calls():

@@ -51,7 +51,7 @@ import triton
 import triton.language as tl
 
 from ..config import DEFAULT_K_BLOCK, QuantConfig
-from ..layout import PackedLayout
+from ..layout import PackedLayout, _bounded_put
 from . import cuda_jit
 from .reference import AMAX_FLOOR, FP8_MAX, KEY_MEAN_SAMPLE, block_ids, scale_slots
 from .triton_launch import BoundLaunch, cdiv, launch
@@ -524,13 +524,12 @@ def sage_quantize_triton(
            V_STATS_BLOCK_T, V_STATS_STAGES, KEY_MEAN_SAMPLE)
     plan = _PLANS.get(key)
     if plan is None:
-        if len(_PLANS) >= _MAX_PLANS:
-            _PLANS.clear()
-        plan = _PLANS[key] = _QuantPlan(q, k, v, layout, quant.with_k_block(DEFAULT_K_BLOCK), mma_key_order)
+        plan = _QuantPlan(q, k, v, layout, quant.with_k_block(DEFAULT_K_BLOCK), mma_key_order)
+        _bounded_put(_PLANS, key, plan, _MAX_PLANS)
     return plan(q, k, v, layout)
 
 
-#: The quantizer's plans by call shape (``sage_quantize_triton``'s key), dropped together past ``_MAX_PLANS``.
+#: The quantizer's plans by call shape (``sage_quantize_triton``'s key), the oldest dropped past ``_MAX_PLANS``.
 _PLANS: dict[tuple, "_QuantPlan"] = {}
 _MAX_PLANS = 256
 
