@@ -76,6 +76,9 @@ BUILDS = {
     "one_consumer": ("SAGE_SM90_CONSUMERS=1",),
     "one_consumer_persistent": ("SAGE_SM90_CONSUMERS=1", "SAGE_SM90_PERSISTENT=1"),
     "registers-out": ("SAGE_SM90_STAGE_OUT=0",),  # the output stored from the registers (the default until 2026-12-07)
+    # O rescaled only where a row's max passed the exponent's by more than 1 / 2 (log2 units; issue 57)
+    "slack1": ("SAGE_SM90_RESCALE_SLACK=1",),
+    "slack2": ("SAGE_SM90_RESCALE_SLACK=2",),
 }
 
 

@@ -429,12 +429,13 @@ def test_kernel_builds_for_sm90a_without_spills_or_serialized_products():
 @pytest.mark.parametrize("defines", [("SAGE_SM90_PERSISTENT=1",), ("SAGE_SM90_PERSISTENT=1", "SAGE_SM90_STAGES=6"),
                                      ("SAGE_SM90_PERSISTENT=1", "SAGE_SM90_OVERLAP=0"),
                                      ("SAGE_SM90_PERSISTENT=1", "SAGE_SM90_Q_BUFFERS=1"),
-                                     ("SAGE_SM90_CONSUMERS=1",), ("SAGE_SM90_CONSUMERS=1", "SAGE_SM90_PERSISTENT=1")])
+                                     ("SAGE_SM90_CONSUMERS=1",), ("SAGE_SM90_CONSUMERS=1", "SAGE_SM90_PERSISTENT=1"),
+                                     ("SAGE_SM90_RESCALE_SLACK=2",)])
 def test_other_builds_compile_without_spills(defines, tmp_path):
     """Builds beside the default the benchmark times: the persistent kernel alone, with six stages (one Q buffer:
     two do not fit beside them), with the serial build (no softmax overlap) and with one Q buffer; CTAs of one
-    consumer (232 registers a thread where two have 240), alone and persistent; two entry points each (the route's
-    and a head dim 64 one), no local memory and no serialized products."""
+    consumer (232 registers a thread where two have 240), alone and persistent; O's rescale with slack; two entry
+    points each (the route's and a head dim 64 one), no local memory and no serialized products."""
     nvcc = cuda_jit.find_nvcc()
     for variant in (sage_sm90.Variant(128, torch.bfloat16, 128, True), sage_sm90.Variant(64, torch.float16, 16, False)):
         flags = [f"-D{d}" for d in (*variant.defines, *defines)]

@@ -36,7 +36,9 @@ BUILDS = {"default": (), "pingpong": ("SAGE_SM90_PINGPONG=1",), "two_stages": ("
           "one_consumer_persistent": ("SAGE_SM90_CONSUMERS=1", "SAGE_SM90_PERSISTENT=1"),
           # The output stored from the registers, as the one-consumer build must (the default stages it in shared
           # memory).
-          "registers_out": ("SAGE_SM90_STAGE_OUT=0",)}
+          "registers_out": ("SAGE_SM90_STAGE_OUT=0",),
+          # O rescaled only where a row's max passed the exponent's by more than 2 (log2 units; issue 57)
+          "rescale_slack": ("SAGE_SM90_RESCALE_SLACK=2",)}
 
 
 @pytest.fixture(autouse=True)
@@ -190,7 +192,7 @@ INT8_ROUTES = [(qk, skip) for qk, skip in ROUTES if qk == "int8"]
 
 
 #: (build, K split per thread): the split on the default build only (it changes the producer's staging alone).
-EXTREME_CASES = [("default", False), ("serial_fp32_poly", False), ("default", True)]
+EXTREME_CASES = [("default", False), ("serial_fp32_poly", False), ("default", True), ("rescale_slack", False)]
 
 
 @pytest.mark.parametrize("build,per_thread", EXTREME_CASES)
@@ -348,7 +350,7 @@ def _check_lse(res, ref, q, k, v, layout, factor) -> None:
     assert ours.mean() <= 1.1 * emulated.mean() + 1e-4, (ours.mean(), emulated.mean())
 
 
-@pytest.mark.parametrize("build", ["default", "one_consumer", "one_consumer_persistent"])
+@pytest.mark.parametrize("build", ["default", "one_consumer", "one_consumer_persistent", "rescale_slack"])
 @pytest.mark.parametrize("skip", [None, 0.02])
 @pytest.mark.parametrize("dim,kv_heads,blocks", [(128, 2, (1, 128, True)), (64, 2, (1, 16, False)),
                                                  (128, 8, (4, 4, False)), (64, 8, (1, 1, False))])

@@ -48,8 +48,10 @@
 // where two consumers have 240, and three stages where two have four, to fit; no PINGPONG; GPU-tested on an H200,
 // and slower there than the default: benchmarks/results/sage_sm90_one_consumer_h200.md) and
 // SAGE_SM90_HALF_POLY (the FMA-pipe exponentials two at a time in half precision, exp2_e4m3x2; 0: one at a
-// time in fp32), SAGE_SM90_STAGE_OUT (the output rows through shared memory, stage_out), SAGE_SM90_PERSISTENT and
-// SAGE_SM90_Q_BUFFERS (the persistent kernel's Q buffers, at most). The defaults are the fastest measured
+// time in fp32), SAGE_SM90_STAGE_OUT (the output rows through shared memory, stage_out), SAGE_SM90_PERSISTENT,
+// SAGE_SM90_Q_BUFFERS (the persistent kernel's Q buffers, at most) and SAGE_SM90_RESCALE_SLACK (O rescaled only where
+// a row's max passed the exponent's by more than it, in log2 units; 0, the default: wherever a max moved). The
+// defaults are the fastest measured
 // (benchmarks/results/sage_sm90_sweep_h200.md; SAGE_SM90_PERSISTENT's: above; SAGE_SM90_STAGE_OUT's: cta_cost_h100_*.md).
 // SAGE_SM90_Q_BUFFERS's default, two, was not timed against one.
 
@@ -79,6 +81,9 @@
 #endif
 #ifndef SAGE_SM90_Q_BUFFERS  // Q buffers of the persistent kernel, at most (2: the next tile's Q loads early)
 #define SAGE_SM90_Q_BUFFERS 2
+#endif
+#ifndef SAGE_SM90_RESCALE_SLACK  // how far (log2 units) a row's max may pass the exponent's before O is rescaled; 0: not at all
+#define SAGE_SM90_RESCALE_SLACK 0
 #endif
 
 namespace sage_sm90 {
@@ -112,7 +117,13 @@ constexpr int CONSUMER_REGS = CONSUMERS == 1 ? 232 : 240;
 constexpr int LAUNCH_REGS = 65536 / (CTAS_PER_SM * THREADS) / 8 * 8;
 static_assert(128 * (PRODUCER_REGS + CONSUMERS * CONSUMER_REGS) <= THREADS * LAUNCH_REGS,
               "setmaxnreg past the registers the CTA holds");
-constexpr float LOG2_P_SCALE = 8.807354922057604f;  // log2(448): P is stored as 448 * p
+// Rescale slack (SAGE_SM90_RESCALE_SLACK = T, issue 57): a row's exponent is taken from a max u that moves only
+// when the row's running max m passes it by more than T (log2 units), so O's rescale (64 multiplies a thread, on
+// the path to the next products) is left out on most tiles; P is stored as 448 * 2^-T * p so that a score up to
+// T past u still fits e4m3 (fp8's subnormals start T bits sooner). The vote keeps m, the exact running max.
+constexpr float RESCALE_SLACK = SAGE_SM90_RESCALE_SLACK;
+static_assert(RESCALE_SLACK >= 0.f && RESCALE_SLACK <= 4.f, "SAGE_SM90_RESCALE_SLACK is 0 to 4");
+constexpr float LOG2_P_SCALE = 8.807354922057604f - RESCALE_SLACK;  // log2(448 * 2^-T): P is stored as 448 * 2^-T * p
 constexpr float LN2 = 0.6931471805599453f;
 constexpr float NEG_INF = __builtin_bit_cast(float, 0xff800000u);  // -inf, with no <cmath> to name it
 constexpr float POS_INF = __builtin_bit_cast(float, 0x7f800000u);
@@ -579,12 +590,13 @@ __device__ __forceinline__ int key_of(int e, int t) { return 8 * (e / 2) + 2 * t
 // ragged last tile (MASKED: keys past the sequence are -inf), take the exact path: s = S * k_scale rounded
 // once, then 2^((s - m) * qs), which is exactly 2^0 at the maximum whatever the magnitude.
 //
-// Returns whether the tile is kept (the skip vote, when `vote`); alpha is each row's rescale of O.
+// Returns whether the tile is kept (the skip vote, when `vote`); alpha is each row's rescale of O. m is each row's
+// running max (the vote's), u the exponent's (m itself without RESCALE_SLACK).
 template <int G, bool MASKED, bool SKIP>
 __device__ __forceinline__ bool tile_softmax(const int32_t (&acc)[64], uint32_t k_scale_addr, int t, int keys_left,
                                              bool vote, int vote_barrier, float reach0, float reach1,
-                                             float qs0, float qs1, float& m_0, float& m_1, float& alpha0,
-                                             float& alpha1, uint32_t (&pa)[4][4]) {
+                                             float qs0, float qs1, float& m_0, float& m_1, float& u_0, float& u_1,
+                                             float& alpha0, float& alpha1, uint32_t (&pa)[4][4]) {
   constexpr int NG = 32 / G;  // groups per row
   float ks_max = 0.f;
 
@@ -637,12 +649,19 @@ __device__ __forceinline__ bool tile_softmax(const int32_t (&acc)[64], uint32_t 
     if (!keep) return false;
   }
   const float mn0 = max_nan(m_0, mx0), mn1 = max_nan(m_1, mx1);
-  const float mu[2] = {mn0 == NEG_INF ? 0.f : mn0, mn1 == NEG_INF ? 0.f : mn1};
+  const float old0 = RESCALE_SLACK > 0.f ? u_0 : m_0, old1 = RESCALE_SLACK > 0.f ? u_1 : m_1;
+  // The exponent's max moves to the running max once that passes it by more than the slack (always without slack;
+  // on the first tile and on NaN the comparison fails, so it moves).
+  const float un0 = RESCALE_SLACK > 0.f && (mn0 - old0) * qs0 <= RESCALE_SLACK ? old0 : mn0;
+  const float un1 = RESCALE_SLACK > 0.f && (mn1 - old1) * qs1 <= RESCALE_SLACK ? old1 : mn1;
+  const float mu[2] = {un0 == NEG_INF ? 0.f : un0, un1 == NEG_INF ? 0.f : un1};
   const float qs[2] = {qs0, qs1};
-  alpha0 = exp2_approx((m_0 - mu[0]) * qs0);
-  alpha1 = exp2_approx((m_1 - mu[1]) * qs1);
+  alpha0 = exp2_approx((old0 - mu[0]) * qs0);
+  alpha1 = exp2_approx((old1 - mu[1]) * qs1);
   m_0 = mn0;
   m_1 = mn1;
+  u_0 = un0;
+  u_1 = un1;
 
   const bool fast = !MASKED && fabsf(mu[0] * qs0) < 4096.f && fabsf(mu[1] * qs1) < 4096.f &&
                     ks_max * fmaxf(qs0, qs1) < 0.00390625f;
@@ -849,7 +868,7 @@ __device__ __forceinline__ void consume(Smem<D, STAGES, QB, STAGE_OUT>& sm, cons
     float o[D / 2], sums[4];  // sums[0] / sums[2]: rows g / g + 8 of the tile (at t == 0; 0 elsewhere)
 #pragma unroll
     for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
-    float m_0 = NEG_INF, m_1 = NEG_INF, l_0 = 0.f, l_1 = 0.f;
+    float m_0 = NEG_INF, m_1 = NEG_INF, u_0 = NEG_INF, u_1 = NEG_INF, l_0 = 0.f, l_1 = 0.f;
     int skipped = 0;
     int32_t acc[64];
     uint32_t pa[4][4];  // P of the tile being made
@@ -871,9 +890,9 @@ __device__ __forceinline__ void consume(Smem<D, STAGES, QB, STAGE_OUT>& sm, cons
       const uint32_t k_scale_addr = smem_addr(sm.k_scale[c % STAGES]);
       return decltype(ragged_tag)::value && keys_left < BLOCK_N
           ? tile_softmax<G, true, SKIP>(acc, k_scale_addr, t, keys_left, vote, vote_barrier, reach0, reach1, qs0,
-                                        qs1, m_0, m_1, alpha0, alpha1, pa)
+                                        qs1, m_0, m_1, u_0, u_1, alpha0, alpha1, pa)
           : tile_softmax<G, false, SKIP>(acc, k_scale_addr, t, keys_left, vote, vote_barrier, reach0, reach1, qs0,
-                                         qs1, m_0, m_1, alpha0, alpha1, pa);
+                                         qs1, m_0, m_1, u_0, u_1, alpha0, alpha1, pa);
     };
     auto rescale_o = [&](float alpha0, float alpha1) {
       if (__any_sync(0xffffffff, alpha0 != 1.f || alpha1 != 1.f)) {  // no rescale while the maxima hold
@@ -1044,15 +1063,15 @@ __device__ __forceinline__ void consume(Smem<D, STAGES, QB, STAGE_OUT>& sm, cons
     l_0 = __shfl_sync(0xffffffff, l_0, lane & ~3);
     l_1 = __shfl_sync(0xffffffff, l_1, lane & ~3);
     const float inv0 = 1.f / (l_0 > 0.f ? l_0 : 1.f), inv1 = 1.f / (l_1 > 0.f ? l_1 : 1.f);
-    // The log-sum-exp of the scaled logits, when asked: the max in log2 units (m * qs) plus log2 of the row sum
-    // less P's 448, in natural log (-inf for a row without keys); one lane of each quad writes its rows.
+    // The log-sum-exp of the scaled logits, when asked: the exponent's max in log2 units (u * qs) plus log2 of the row
+    // sum less P's scale, in natural log (-inf for a row without keys); one lane of each quad writes its rows.
     if (p.lse != nullptr && t == 0) {
       auto row_lse = [](float m, float qs, float l) {
         return l > 0.f ? (fmaf(m, qs, log2f(l)) - LOG2_P_SCALE) * LN2 : NEG_INF;
       };
       float* lse = p.lse + head;
-      if (ok0) lse[(q_start + row0) * p.heads] = row_lse(m_0, qs0, l_0);
-      if (ok1) lse[(q_start + row1) * p.heads] = row_lse(m_1, qs1, l_1);
+      if (ok0) lse[(q_start + row0) * p.heads] = row_lse(RESCALE_SLACK > 0.f ? u_0 : m_0, qs0, l_0);
+      if (ok1) lse[(q_start + row1) * p.heads] = row_lse(RESCALE_SLACK > 0.f ? u_1 : m_1, qs1, l_1);
     }
     OutT* out = static_cast<OutT*>(p.out) + head * p.out_stride_h;
     // Row r's values of columns 8j + 2t and + 1 (r: 0 for row0, 1 for row1), in OutT, packed into 4 bytes.
