@@ -9,6 +9,8 @@
 #   `tests`:   the GPU tests of the quantizer, the sage-sm90 and triton routes and the fast path;
 #   `compile`: benchmarks/compile_check.py (our processor under torch.compile's three uses);
 #   `e2e`:     Flux.1-dev / Qwen-Image forwards (random weights) beside stock and SageAttention2, eager and compiled;
+#   `slack`:   the SAGE_SM90_RESCALE_SLACK builds (O rescaled only where a row's max passed the exponent's by more than
+#              1 / 2, log2 units) against the default, kernel alone in alternating rounds and whole calls, SHAPES;
 #   `one-consumer`: the SAGE_SM90_CONSUMERS=1 build (CTAs of 64 query rows, two an SM) built, GPU-tested and timed
 #              against the default, kernel alone, in alternating rounds;
 #   `capture`: benchmarks/capture_probe.py (which copy breaks a CUDA graph capture of a served call);
@@ -66,6 +68,10 @@ for section in "$@"; do
   compile)  # regional / max-autotune-no-cudagraphs / reduce-overhead on a small Flux, defaults and int8
     timeout "${COMPILE_TIMEOUT:-240}" python3 benchmarks/compile_check.py --settings "${COMPILE_SETTINGS:-defaults,int8}" \
       --out "$out/compile_check.json" 2>&1 | grep "^{" ;;
+  slack)  # SAGE_SM90_RESCALE_SLACK=1 / 2 against the default: kernel alone in alternating rounds, and whole calls
+    timeout "${SLACK_TIMEOUT:-170}" python3 benchmarks/bench_sage_sm90.py --shapes "$shapes" --builds default,slack1,slack2 \
+      --quants k128t-smooth --k-mean 4 --target-skips "" --iters 20 --kernel-only-builds --alternate-builds \
+      --out "$out/sage_sm90_slack.json" 2>&1 | grep -v "^\s*$" | tail -24 ;;
   one-consumer)
     timeout 120 python3 -c "
 import torch; from diffusers_trtllm.kernels.sage_sm90 import VARIANTS, build_kernels
