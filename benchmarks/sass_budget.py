@@ -15,7 +15,6 @@ branch; a branch out of the body (a barrier's retry, out of line) or back inside
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from collections import Counter
 from pathlib import Path
@@ -26,9 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import sass_hazards  # noqa: E402
 
-from diffusers_trtllm.kernels import cuda_jit, sage_sm90  # noqa: E402
+from diffusers_trtllm.kernels import sage_sm90  # noqa: E402
 
-_BRANCH = re.compile(r"(@!?U?P\w+ )?BRA(?:\.\w+)* (?:\S+, )?0x([0-9a-f]+)")
 #: Opcode families shown as columns (the rest count in "other").
 _COLUMNS = ("MUFU", "FFMA", "FMUL", "FADD", "IADD3", "F2FP", "HALF", "MINMAX", "UNIFORM", "GMMA", "SYNC")
 
@@ -52,13 +50,12 @@ def _family(instruction: str) -> str:
     return "other"
 
 
-def main_loop(code: list[tuple[int, str]]) -> tuple[int, int]:
+def main_loop(code: list[tuple[int, str]], index: dict[int, int]) -> tuple[int, int]:
     """Indices of the main loop's head and of its backward branch (the innermost loop issuing both products: the
-    kernel's outer loops and the barriers' out-of-line retries hold it)."""
-    index = {address: i for i, (address, _) in enumerate(code)}
+    kernel's outer loops and the barriers' out-of-line retries hold it); ``index``: each address's position."""
     best = None
     for i, (address, instruction) in enumerate(code):
-        m = _BRANCH.search(instruction)
+        m = sass_hazards._BRANCH.match(instruction)
         if m is None or int(m.group(2), 16) >= address:
             continue
         head = index[int(m.group(2), 16)]
@@ -70,9 +67,8 @@ def main_loop(code: list[tuple[int, str]]) -> tuple[int, int]:
     return best
 
 
-def loop_paths(code: list[tuple[int, str]], head: int, end: int) -> list[list[int]]:
+def loop_paths(code: list[tuple[int, str]], index: dict[int, int], head: int, end: int) -> list[list[int]]:
     """Every path (instruction indices) from the loop's head to its backward branch."""
-    index = {address: i for i, (address, _) in enumerate(code)}
     paths, stack = [], [(head, [])]
     while stack:
         i, path = stack.pop()
@@ -81,7 +77,7 @@ def loop_paths(code: list[tuple[int, str]], head: int, end: int) -> list[list[in
             if i == end:
                 paths.append(path)
                 break
-            m = _BRANCH.search(code[i][1])
+            m = sass_hazards._BRANCH.match(code[i][1])
             target = index.get(int(m.group(2), 16)) if m else None
             inside = target is not None and i < target <= end
             if m and inside and m.group(1) is None:  # unconditional jump forward
@@ -94,9 +90,11 @@ def loop_paths(code: list[tuple[int, str]], head: int, end: int) -> list[list[in
 
 
 def budget(code: list[tuple[int, str]]) -> list[Counter]:
-    head, end = main_loop(code)
+    """Each path of the main loop's instructions by family (``_COLUMNS``, "other") and in all ("total"), shortest
+    first."""
+    index = {address: i for i, (address, _) in enumerate(code)}
     rows = []
-    for path in loop_paths(code, head, end):
+    for path in loop_paths(code, index, *main_loop(code, index)):
         families = Counter(_family(code[i][1]) for i in path)
         families["total"] = len(path)
         rows.append(families)

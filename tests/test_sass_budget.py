@@ -32,6 +32,6 @@ def test_paths_take_both_ways_of_a_branch_inside_the_loop_and_neither_retry_nor_
         "EXIT",                                               # 0xa0
         "BRA 0x70",                                           # 0xb0: the retry's way back
     )
-    assert sass_budget.main_loop(code) == (1, 8)
+    assert sass_budget.main_loop(code, {address: i for i, (address, _) in enumerate(code)}) == (1, 8)
     rows = sass_budget.budget(code)
     assert [(r["total"], r["FMUL"], r["GMMA"]) for r in rows] == [(6, 0, 2), (8, 2, 2)]
