@@ -40,14 +40,13 @@ SHORT_KV = TEXT_KV
 SAGE_MIN_KV_SM90 = 16384
 
 #: On SM90, int8 SAGE pays from this KV length on the project's CUDA kernel (``sage-sm90``, which ``auto``
-#: ranks first for int8). Whole calls on one H100, 24 heads of 128, keys with a per-channel mean, int8 against
-#: fa3 dense (issue 57, benchmarks/results/profile_call_h100_run6.md): 4,608 keys 0.915x / 1.094x cuDNN,
-#: 8,704 keys 0.935x (served 1.001x) / 1.011x (a tie, as in runs 4 and 5), 12,800 keys 1.135x / 0.952x, 16,896
-#: keys 1.340x / 0.893x; Wan-14B 480p (32,760 keys) 1.482x / 1.149x (run 4). So it runs from 12,800, the shortest
-#: length where it measured faster; the crossover lies between 8,704 and 12,800 on an H100. On an H200 int8 led from
-#: 8,704 keys (1.001x / 0.983x; benchmarks/results/profile_call_h200_crossover.md); one line serves both until a
-#: forward between the two lengths (Flux 1536², 9,728 tokens) says whether it can move down.
-SAGE_INT8_MIN_KV_SM90 = 12800
+#: ranks first for int8). Whole calls, 24 heads of 128, keys with a per-channel mean, int8 against fa3 dense, served
+#: (issue 57): on an H100 8,704 keys 1.054x / 1.023x cuDNN and 4,608 keys 0.864x / 0.939x
+#: (benchmarks/results/profile_call_h100_run8.md; run 6 had 8,704 a tie, 1.001x / 1.011x), 12,800 keys 1.126x /
+#: 0.952x (run 6); on an H200 8,704 keys 1.050x / 0.983x (profile_call_h200_crossover.md). A whole Flux.1-dev
+#: forward at 1536² (9,728 tokens) ran 1.046x faster with int8 than dense, at 1024² (4,608) the same
+#: (e2e_h100_flux_int8_always.md). So it runs from 8,704, the shortest length where it measured faster.
+SAGE_INT8_MIN_KV_SM90 = 8704
 
 #: Where sage-sm90 cannot serve the call (no nvcc, a backend that names another route), int8 SAGE runs on
 #: the Triton kernel, slower than fa3 dense at Wan 480p: 1.09x cuDNN against fa3's 1.12x (32,760 keys),

@@ -52,7 +52,8 @@
 // SAGE_SM90_Q_BUFFERS (the persistent kernel's Q buffers, at most) and SAGE_SM90_RESCALE_SLACK (O rescaled only where
 // a row's max passed the exponent's by more than it, in log2 units; 0, the default: wherever a max moved). The
 // defaults are the fastest measured
-// (benchmarks/results/sage_sm90_sweep_h200.md; SAGE_SM90_PERSISTENT's: above; SAGE_SM90_STAGE_OUT's: cta_cost_h100_*.md).
+// (benchmarks/results/sage_sm90_sweep_h200.md; SAGE_SM90_PERSISTENT's: above; SAGE_SM90_STAGE_OUT's: cta_cost_h100_*.md;
+// SAGE_SM90_RESCALE_SLACK's: sage_sm90_slack_h100.md, 1 and 2 about 1% slower).
 // SAGE_SM90_Q_BUFFERS's default, two, was not timed against one.
 
 #ifndef SAGE_SM90_SOFT_EXP  // of each row's 16 score chunks, how many take exp2_poly (fast path)
