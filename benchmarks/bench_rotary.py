@@ -14,8 +14,6 @@ compared with the stock processor's bit for bit. Writes JSON and a Markdown tabl
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 import types
 from dataclasses import dataclass
@@ -27,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from diffusers_trtllm.bench.inputs import SHAPES  # noqa: E402
-from diffusers_trtllm.bench.report import environment  # noqa: E402
+from diffusers_trtllm.bench.report import per_shape_main  # noqa: E402
 from diffusers_trtllm.bench.timing import time_fn  # noqa: E402
 from diffusers_trtllm.serving.rotary import DEFERRED  # noqa: E402
 
@@ -216,17 +214,8 @@ def markdown(result: dict) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", default="wan_14b_480p,wan_14b_720p,flux_1024")
-    parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--out", type=Path, default=Path("rotary.json"))
-    args = parser.parse_args()
-    device = torch.device("cuda")
-    result = {"environment": environment(str(device)), "command": "python3 benchmarks/bench_rotary.py " + " ".join(sys.argv[1:]),
-              "rows": [measure(name, device, args.iters) for name in args.shapes.split(",")]}
-    args.out.write_text(json.dumps(result, indent=1))
-    args.out.with_suffix(".md").write_text(markdown(result))
-    print(markdown(result))
+    per_shape_main(__doc__, "benchmarks/bench_rotary.py", "wan_14b_480p,wan_14b_720p,flux_1024", "rotary.json", 10,
+                   measure, markdown)
 
 
 if __name__ == "__main__":

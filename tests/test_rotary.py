@@ -5,12 +5,7 @@ rotation."""
 
 from __future__ import annotations
 
-import json
-import os
 import pickle
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,14 +13,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tiny_models
-from triton_support import fma_missing, interpreter_missing
+from triton_support import compiled_for, fma_missing, interpreted
 from conftest import requires_cuda
 from diffusers_trtllm import TrtllmAttnProcessor, install
 from diffusers_trtllm.kernels import rotary
 from diffusers_trtllm.serving import rotary as serving_rotary
 from diffusers_trtllm.serving.layer import layer_of
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def wan_rotation(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:
@@ -173,15 +166,7 @@ print(json.dumps(cases))
 
 @pytest.fixture(scope="module")
 def interpreted_rotations():
-    missing = interpreter_missing()
-    if missing:
-        pytest.skip(missing)
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    run = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, env=env, timeout=120)
-    assert run.returncode == 0, run.stderr[-3000:]
-    cases = json.loads(run.stdout.strip().splitlines()[-1])
-    assert len(cases) == 63, cases
-    return cases
+    return interpreted(_CHILD, count=63)
 
 
 @pytest.mark.parametrize("rule", rotary.RULES)
@@ -399,14 +384,9 @@ def test_kernel_compiles_for_hopper_without_fused_multiply_adds(rule, window):
     tables of fewer tokens, after 226 others, as CogVideoX's): no FMA in the PTX (each product rounded on its own, as torch's launches
     round them: the bit-for-bit claim) but the complex rule's two a pair (torch's complex multiply on CUDA), and Q/K
     moved in 16-byte vectors."""
-    triton = pytest.importorskip("triton")
+    pytest.importorskip("triton")
     import re
 
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.runtime.jit import mangle_type
-
-    kernel = rotary._rotate_kernel
     bf16, f32 = torch.empty(16, dtype=torch.bfloat16), torch.empty(16, dtype=torch.float32)
     tokens, width = 32760, 40 * 128
     start, rotated = (226, tokens - 226) if window else (0, tokens)
@@ -414,17 +394,7 @@ def test_kernel_compiles_for_hopper_without_fused_multiply_adds(rule, window):
             width, 128, 0, 128, 0, 128)  # Q a view into fused QKV projections, K contiguous, frequencies [1, R, 1, 128]
     constexprs = dict(HALF=64, BLOCK_S=rotary.ROTARY_BLOCK_S, PAIR=rule != "element", COMPLEX=rule == "complex",
                       WINDOW=window)
-    signature = {name: mangle_type(arg) for name, arg in zip(kernel.arg_names, args)}
-    signature.update({name: "constexpr" for name in constexprs})
-    aligned = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(args)
-               if isinstance(arg, torch.Tensor) or (isinstance(arg, int) and arg and arg % 16 == 0)}
-    try:
-        compiled = triton.compile(ASTSource(kernel, signature, constexprs, aligned), target=GPUTarget("cuda", 90, 32),
-                                  options=dict(num_warps=4, enable_fp_fusion=False))
-    except Exception as exc:  # a Triton without the CUDA backend, not a kernel bug
-        if "backend" in str(exc).lower() and "cuda" in str(exc).lower():
-            pytest.skip(f"this Triton cannot compile for CUDA: {exc}")
-        raise
+    compiled = compiled_for(rotary._rotate_kernel, args, constexprs, num_warps=4, enable_fp_fusion=False)
     ptx = compiled.asm["ptx"]
     fmas, products = (len(re.findall(rf"\b{op}\.rn\.f32", ptx)) for op in ("fma", "mul"))
     assert (fmas, products > 0) == ((products, True) if rule == "complex" else (0, True))

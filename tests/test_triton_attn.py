@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from background_jobs import BackgroundJob
-from triton_support import interpreter_missing
+from triton_support import compiled_for, interpreter_missing
 
 ROOT = Path(__file__).resolve().parents[1]
 LENS_Q = (37, 70)
@@ -460,11 +460,6 @@ def test_quantizer_compiles_for_the_gpu(sm, dtype_qk, mma_key_order, smooth_k, k
     store of quantized values is a 16-byte vector: a V tile that stored its columns in the key order
     scattered single bytes and ran three times slower on the H200 (docs/design.md, "The quantizer")."""
     pytest.importorskip("triton")
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.runtime.jit import mangle_type
-
     from diffusers_trtllm.kernels import triton_quant
 
     native = sm >= 89
@@ -484,17 +479,7 @@ def test_quantizer_compiles_for_the_gpu(sm, dtype_qk, mma_key_order, smooth_k, k
               DO_K="k" in parts, DO_V="v" in parts), triton_quant.launch_warps(parts, block_k))
         for parts in {*triton_quant.QUANT_LAUNCHES, *triton_quant.QUANT_SHORT_LAUNCHES}]  # each launch it makes
     for i, (kernel, args, consts, warps) in enumerate(launches):
-        signature = {name: mangle_type(arg) for name, arg in zip(kernel.arg_names, args)}
-        signature.update({name: "constexpr" for name in consts})
-        aligned = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(args)
-                   if isinstance(arg, torch.Tensor) or (isinstance(arg, int) and arg % 16 == 0)}
-        try:
-            compiled = triton.compile(ASTSource(kernel, signature, consts, aligned), target=GPUTarget("cuda", sm, 32),
-                                      options=dict(num_warps=warps, **triton_quant._UNFUSED))
-        except Exception as exc:  # a Triton without the CUDA backend, not a kernel bug
-            if "backend" in str(exc).lower() and "cuda" in str(exc).lower():
-                pytest.skip(f"this Triton cannot compile for CUDA: {exc}")
-            raise
+        compiled = compiled_for(kernel, args, consts, sm, num_warps=warps, **triton_quant._UNFUSED)
         ptx = compiled.asm["ptx"]
         assert compiled.asm["cubin"] and "st.global" in ptx
         stores = collections.Counter(re.findall(r"st\.global(?:\.v\d)?\.b\d+", ptx))

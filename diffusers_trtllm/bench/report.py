@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import importlib.metadata
 import importlib.util
@@ -12,13 +13,14 @@ import subprocess
 import sys
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from .suite import Settings, ShapeResult
 
-__all__ = ["environment", "write_json", "write_markdown", "write_plot", "write_e2e_json", "write_e2e_markdown", "format_cp_markdown"]
+__all__ = ["environment", "write_json", "write_markdown", "write_plot", "write_e2e_json", "write_e2e_markdown", "format_cp_markdown",
+           "per_shape_main"]
 
 
 def _version(module: str, distribution: str | None = None) -> str | None:
@@ -72,6 +74,26 @@ def environment(device: str, argv: list[str] | None = None) -> dict[str, Any]:
 
 def _dump(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=1, default=str))
+
+
+def per_shape_main(doc: str, script: str, shapes: str, out: str, iters: int,
+                   measure: Callable[[str, torch.device, int], dict[str, Any]],
+                   markdown: Callable[[dict[str, Any]], str]) -> None:
+    """The command line of a benchmark script that measures one row per shape on the GPU (``benchmarks/bench_*.py``):
+    ``--shapes`` (comma-separated; default ``shapes``), ``--iters``, ``--out``; writes the rows with the environment
+    and the command as JSON, its Markdown table beside it (``.md``), and prints the table."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default=shapes)
+    parser.add_argument("--iters", type=int, default=iters)
+    parser.add_argument("--out", type=Path, default=Path(out))
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    result = {"environment": environment(str(device)), "command": f"python3 {script} " + " ".join(sys.argv[1:]),
+              "rows": [measure(name, device, args.iters) for name in args.shapes.split(",")]}
+    _dump(args.out, result)
+    table = markdown(result)
+    args.out.with_suffix(".md").write_text(table)
+    print(table)
 
 
 def write_json(path: Path, env: dict[str, Any], settings: Settings, results: list[ShapeResult]) -> None:

@@ -48,7 +48,7 @@ from .rotary import take_rotary
 
 __all__ = [
     "register_layer", "unregister_layer", "live_layers", "call_stock", "enter_call", "exit_call", "is_ip_adapter", "ensure_routing", "restore_globals",
-    "rebound_modules", "stock_attention",
+    "rebind", "rebound_modules", "stock_attention",
 ]
 
 #: Per thread: the layer whose stock processor is running, and facts about its call.
@@ -59,7 +59,8 @@ _LAYERS: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
 _next_key = 0
 _KEY_LOCK = threading.Lock()
 
-#: Module name -> {global name: Diffusers' or torch's original} for everything we rebound.
+#: Module name (or ``"module:Class"``) -> {global or attribute name: Diffusers' or torch's original} for everything
+#: we rebound (``serving.qk_norm`` rebinds ``RMSNorm.forward``).
 _REBOUND: dict[str, dict[str, Any]] = {}
 
 
@@ -465,31 +466,43 @@ def ensure_routing(stock: Any) -> None:
     module = sys.modules.get(type(stock).__module__)
     if module is None:
         return
-    saved = _REBOUND.setdefault(module.__name__, {})
     current = getattr(module, "dispatch_attention_fn", None)
     if callable(current) and not hasattr(current, "_trtllm_original"):
-        saved["dispatch_attention_fn"] = current
-        module.dispatch_attention_fn = _routed_dispatch(current)
+        rebind(module.__name__, "dispatch_attention_fn", _routed_dispatch(current))
     if getattr(module, "F", None) is torch_F:
-        saved["F"] = torch_F
-        module.F = _F_PROXY
+        rebind(module.__name__, "F", _F_PROXY)
+
+
+def _owner(name: str) -> Any:
+    """The module ``"package.module"`` or the class ``"package.module:Class"`` names (None: not loaded)."""
+    module_name, _, class_name = name.partition(":")
+    module = sys.modules.get(module_name)
+    return getattr(module, class_name, None) if class_name and module is not None else module
+
+
+def rebind(name: str, attr: str, value: Any) -> None:
+    """Set ``attr`` of the module or class ``name`` names (:func:`_owner`) to ``value``, keeping the first
+    original for :func:`restore_globals`."""
+    owner = _owner(name)
+    _REBOUND.setdefault(name, {}).setdefault(attr, getattr(owner, attr))
+    setattr(owner, attr, value)
 
 
 def restore_globals() -> list[str]:
-    """Put back every module global we rebound; returns the modules touched."""
+    """Put back every module global (and class attribute) we rebound; returns the modules and classes touched."""
     touched = []
     for name, saved in list(_REBOUND.items()):
-        module = sys.modules.get(name)
-        if module is not None:
+        owner = _owner(name)
+        if owner is not None:
             for attr, original in saved.items():
-                setattr(module, attr, original)
+                setattr(owner, attr, original)
             touched.append(name)
         del _REBOUND[name]
     return touched
 
 
 def rebound_modules() -> list[str]:
-    """Names of the modules whose globals are rebound now."""
+    """Names of the modules (and classes) whose globals (attributes) are rebound now."""
     return sorted(name for name, saved in _REBOUND.items() if saved)
 
 

@@ -24,6 +24,7 @@ from ..layout import MaskNotSupportedError, PackedLayout, query_key_masks
 from ..stats import LayerStats, StepRecord
 from . import intercept
 from .keywords import KeywordFilter, keyword_filter
+from .qk_norm import fuse_rms_norm, takes_norms_of
 from .roles import guess_role, observed_role
 from .rotary import DeferredRotary, deferred_rotary
 
@@ -134,6 +135,8 @@ class LayerState:
         self.encoder_index: int | None = None
         #: The stock processor's rotation, when we apply it at the attention call (``serving.rotary``).
         self.rotary: DeferredRotary | None = None
+        #: Whether the stock processor's Diffusers ``RMSNorm`` calls run as our one launch (``serving.qk_norm``).
+        self.fused_qk_norm = False
         #: The module's keyword rule for the stock processor (``serving.keywords``; None: it passes every keyword).
         self.keywords: KeywordFilter | None = None
         #: The stock processor is an IP-Adapter's: its attention calls after the first attend to the image prompt.
@@ -157,6 +160,8 @@ class LayerState:
         self.key = intercept.register_layer(self)
         if self.stock is not None and self.mode is not None:
             intercept.ensure_routing(self.stock)
+        if self.fused_qk_norm:
+            fuse_rms_norm()
         self.processor._adopt(self)
 
     # ---- description --------------------------------------------------------------------------
@@ -180,6 +185,7 @@ class LayerState:
         self.in_place = in_place
         self.mode, self.reason = (None, "no stock processor is known") if stock is None else intercept.serving_mode(stock)
         self.rotary = None
+        self.fused_qk_norm = False
         self.keywords = None if stock is None or in_place else keyword_filter(type(module), type(stock))
         self.image_prompt = intercept.is_ip_adapter(stock)
         self.module_is_cross = getattr(module, "is_cross_attention", None)
@@ -198,6 +204,7 @@ class LayerState:
         self.hidden_index = params.index("hidden_states") if "hidden_states" in params else (0 if params else None)
         self.encoder_index = params.index("encoder_hidden_states") if "encoder_hidden_states" in params else None
         self.rotary = deferred_rotary(stock, params) if self.processor._fused_rotary and not in_place else None
+        self.fused_qk_norm = self.processor._fused_qk_norm and takes_norms_of(module)
 
     def take_over(self, previous: "LayerState") -> None:
         """Carry what belongs to the module, not to a processor, from the state that served it until now:

@@ -116,6 +116,8 @@ class TrtllmAttnProcessor(PushToHubMixin):
     ``quant``), or everything under ``policy="always"``, is honoured on every call.
     ``fused_rotary``: the family's rotary embedding (Wan, Flux, Flux.2, HunyuanVideo, LTX-Video, Qwen-Image,
     CogVideoX) runs as one launch of ours with the same values (True), or as the family's own code (False).
+    ``fused_qk_norm``: Diffusers' ``RMSNorm`` QK norms (Qwen-Image, SD3, HunyuanVideo) run as one launch of ours (True;
+    the sum of squares in another order: an element can differ by one rounding, rarely), or as Diffusers' own (False).
 
     A setting saves and loads as Diffusers' configurations do (:mod:`diffusers_trtllm.setting`):
     ``proc.save_pretrained(folder, push_to_hub=False, repo_id=None)`` writes every constructor argument
@@ -143,6 +145,7 @@ class TrtllmAttnProcessor(PushToHubMixin):
         collect_stats: bool = False,
         policy: str = "auto",
         fused_rotary: bool = True,
+        fused_qk_norm: bool = True,
     ) -> None:
         base = {
             "skip_softmax_threshold": skip_softmax_threshold,
@@ -163,14 +166,18 @@ class TrtllmAttnProcessor(PushToHubMixin):
         defaults = {"backend": "auto", "policy": "auto"}
         given = {k for k, v in base.items() if v is not None and v != defaults.get(k)}
         self._explicit = {role: given | set(roles[role] if isinstance(roles.get(role), Mapping) else ()) for role in ROLES}
-        self._built_without_arguments = not given and not roles and not collect_stats and fused_rotary is True
+        self._built_without_arguments = (not given and not roles and not collect_stats and fused_rotary is True
+                                         and fused_qk_norm is True)
         self.roles = roles
-        for name, flag in (("collect_stats", collect_stats), ("fused_rotary", fused_rotary)):
+        for name, flag in (("collect_stats", collect_stats), ("fused_rotary", fused_rotary),
+                           ("fused_qk_norm", fused_qk_norm)):
             if not isinstance(flag, bool):  # bool("no") would turn it on
                 raise ControlTypeError(f"{name} must be True or False; got {flag!r:.60} ({type(flag).__name__}).")
         self.collect_stats = collect_stats
         #: Whether the family's rotary embedding runs as our one launch (``serving.rotary``) or as its own code.
         self._fused_rotary = fused_rotary
+        #: Whether Diffusers' ``RMSNorm`` QK norms run as our one launch (``serving.qk_norm``) or as Diffusers' own.
+        self._fused_qk_norm = fused_qk_norm
         self._init_runtime()
         #: A normalized t published with ``set_timestep`` (for layers outside any tracked transformer).
         self._t_value: float | None = None
@@ -485,7 +492,8 @@ class TrtllmAttnProcessor(PushToHubMixin):
                  "disabled_until_timestep": s.skip.disabled_until_timestep or None,
                  "quant": s.quant.dtype_qk if s.quant else None, "backend": s.backend}
         others = {"fallback": (s.fallback, None), "roles": (self.roles or None, None), "policy": (s.policy, "auto"),
-                  "collect_stats": (self.collect_stats, False), "fused_rotary": (self._fused_rotary, True)}
+                  "collect_stats": (self.collect_stats, False), "fused_rotary": (self._fused_rotary, True),
+                  "fused_qk_norm": (self._fused_qk_norm, True)}
         shown.update({name: value for name, (value, default) in others.items() if value != default})
         return f"TrtllmAttnProcessor({', '.join(f'{k}={v!r}' for k, v in shown.items())}, layers={len(self._layers)})"
 
