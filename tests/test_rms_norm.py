@@ -55,12 +55,15 @@ def test_reasons_say_what_the_kernel_does_not_take():
     x = torch.zeros(2, 4, 3, 128, dtype=torch.bfloat16)
     reasons = rms_norm.fused_rms_norm_reasons(x, torch.ones(128))
     assert any("CUDA" in r for r in reasons)
-    assert any("weight must be [128] of x's dtype torch.bfloat16" in r for r in reasons)
+    assert any("weight must be a contiguous [128] of x's dtype torch.bfloat16" in r for r in reasons)
     assert any("x must be one of" in r for r in rms_norm.fused_rms_norm_reasons(x.float(), None))
     assert any("rows must be one of (32, 64, 128, 256) values wide; got shape (2, 4, 3, 96)" in r
                for r in rms_norm.fused_rms_norm_reasons(x[..., :96], None))
     assert any("densely" in r for r in rms_norm.fused_rms_norm_reasons(x[:, ::2], None))
     assert not any("densely" in r for r in rms_norm.fused_rms_norm_reasons(x.transpose(1, 2), None))
+    strided = torch.ones(256, dtype=torch.bfloat16)[::2]
+    assert any("must be a contiguous [128]" in r for r in rms_norm.fused_rms_norm_reasons(x, strided))
+    assert any("must be a contiguous [128]" in r for r in rms_norm.fused_rms_norm_reasons(x, strided[:1].expand(128)))
     weight = torch.nn.Parameter(torch.ones(128, dtype=torch.bfloat16))
     assert any("no backward" in r for r in rms_norm.fused_rms_norm_reasons(x, weight))
     with torch.no_grad():
@@ -105,6 +108,17 @@ def test_kernel_under_interpreter_gives_the_torch_values(interpreted_norms):
     product on them rounded as torch rounds it; x's strides."""
     assert all(c["strides"] and c["weight"] and c["max_steps"] <= 1 and c["apart"] <= 0.02
                for c in interpreted_norms), interpreted_norms
+
+
+def test_a_parameter_weight_is_launched_as_a_plain_tensor(monkeypatch):
+    """``triton_launch.launch`` keeps compiled launchers for plain tensors only: a module's Parameter would take
+    Triton's own path (tens of microseconds of host time) on every call."""
+    seen = []
+    monkeypatch.setattr(rms_norm, "launch", lambda kernel, grid, *args, **kwargs: seen.append(args))
+    weight = torch.nn.Parameter(torch.ones(64, dtype=torch.bfloat16))
+    with torch.no_grad():
+        rms_norm.fused_rms_norm(torch.ones(3, 5, 64, dtype=torch.bfloat16), weight, 1e-6)
+    assert [type(a) for a in seen[0][:3]] == [torch.Tensor] * 3
 
 
 def test_kernel_compiles_for_hopper_moving_rows_in_16_byte_vectors():
@@ -179,6 +193,14 @@ def _run_copies(model: torch.nn.Module, inputs: dict, launches: list) -> None:
             launches.clear()
             copied(**inputs)
             assert len(launches) == NORM_CALLS["qwenimage"]
+
+
+def test_a_stock_role_keeps_diffusers_norms(launches):
+    model, inputs = tiny_models.build("qwenimage")
+    with torch.no_grad():
+        install(model, TrtllmAttnProcessor(roles={"joint": "stock", "self": "stock"}))
+        model(**inputs)
+    assert not launches
 
 
 def test_copies_take_the_norms_over_and_uninstall_puts_diffusers_forward_back(launches):

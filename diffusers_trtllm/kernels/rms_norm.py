@@ -1,4 +1,4 @@
-"""Diffusers' ``RMSNorm`` in one launch (the QK norms of Qwen-Image, SD3 and HunyuanVideo).
+"""Diffusers' ``RMSNorm`` in one launch (the QK norms of Qwen-Image, SD3.5 and HunyuanVideo).
 
 Diffusers' ``RMSNorm.forward`` runs eagerly as six launches over the whole tensor through float32 intermediates
 (``to(float32)``, ``pow``, ``mean``, the product with ``rsqrt``, the cast back, the weight's product): about 34
@@ -32,7 +32,7 @@ except ImportError:  # the torch form serves every call
 
 __all__ = ["rms_norm", "fused_rms_norm", "rms_norm_reference", "fused_rms_norm_reasons", "FUSED_WIDTHS"]
 
-#: Row widths the kernel takes (head dims: SD3's 64, Qwen-Image's and HunyuanVideo's 128).
+#: Row widths the kernel takes (head dims: SD3.5's 64, Qwen-Image's and HunyuanVideo's 128).
 FUSED_WIDTHS = (32, 64, 128, 256)
 _FUSED_DTYPES = (torch.bfloat16, torch.float16)
 #: Values a program normalizes: 32 rows of 128 (16 KB in and out in bf16), as many values at other widths.
@@ -52,7 +52,7 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float)
 
 def _rows(x: torch.Tensor) -> tuple[torch.Tensor, list[int]] | None:
     """``x`` as its storage's ``[rows, D]`` with the permutation that gives that order, where ``x`` fills its storage
-    densely with the last dim innermost (a contiguous tensor, or a transposed view of one: SD3's ``[B, H, S, D]``);
+    densely with the last dim innermost (a contiguous tensor, or a transposed view of one: SD3.5's ``[B, H, S, D]``);
     else None."""
     order = sorted(range(x.ndim - 1), key=lambda d: x.stride(d), reverse=True) + [x.ndim - 1]
     permuted = x.permute(order)
@@ -74,9 +74,11 @@ def fused_rms_norm_reasons(x: torch.Tensor, weight: torch.Tensor | None) -> list
         reasons.append("autograd is on and x or the weight requires grad: the kernel has no backward")
     if x.dtype not in _FUSED_DTYPES:
         reasons.append(f"x must be one of {_FUSED_DTYPES}; got {x.dtype}")
-    if weight is not None and (weight.dtype != x.dtype or weight.shape != x.shape[-1:]):
-        reasons.append(f"the weight must be [{x.shape[-1] if x.ndim else 0}] of x's dtype {x.dtype}; got "
-                       f"{tuple(weight.shape)} {weight.dtype}")
+    if type(x) is not torch.Tensor:
+        reasons.append(f"x must be a plain tensor; got a {type(x).__name__}")
+    if weight is not None and (weight.dtype != x.dtype or weight.shape != x.shape[-1:] or not weight.is_contiguous()):
+        reasons.append(f"the weight must be a contiguous [{x.shape[-1] if x.ndim else 0}] of x's dtype {x.dtype}; got "
+                       f"{tuple(weight.shape)} {weight.dtype} with strides {weight.stride()}")
     if x.ndim < 2 or x.shape[-1] not in FUSED_WIDTHS:
         reasons.append(f"rows must be one of {FUSED_WIDTHS} values wide; got shape {tuple(x.shape)}")
     elif _rows(x) is None:
@@ -101,10 +103,11 @@ def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> 
     if rows.numel():
         width = rows.shape[1]
         block_rows = _BLOCK_VALUES // width
+        gain = rows if weight is None else weight.detach()  # a plain tensor: `launch` keeps launchers for those only
         with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
-            launch(_rms_norm_kernel, (cdiv(rows.shape[0], block_rows),), rows, rows if weight is None else weight,
-                   out, rows.shape[0], eps, WIDTH=width, BLOCK_ROWS=block_rows, HAS_WEIGHT=weight is not None,
-                   num_warps=4, enable_fp_fusion=False)
+            launch(_rms_norm_kernel, (cdiv(rows.shape[0], block_rows),), rows, gain, out, rows.shape[0], eps,
+                   WIDTH=width, BLOCK_ROWS=block_rows, HAS_WEIGHT=weight is not None, num_warps=4,
+                   enable_fp_fusion=False)
     inverse = sorted(range(x.ndim), key=order.__getitem__)
     return out.view([x.shape[d] for d in order]).permute(inverse)
 

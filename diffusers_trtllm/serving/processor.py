@@ -116,7 +116,7 @@ class TrtllmAttnProcessor(PushToHubMixin):
     ``quant``), or everything under ``policy="always"``, is honoured on every call.
     ``fused_rotary``: the family's rotary embedding (Wan, Flux, Flux.2, HunyuanVideo, LTX-Video, Qwen-Image,
     CogVideoX) runs as one launch of ours with the same values (True), or as the family's own code (False).
-    ``fused_qk_norm``: Diffusers' ``RMSNorm`` QK norms (Qwen-Image, SD3, HunyuanVideo) run as one launch of ours (True;
+    ``fused_qk_norm``: Diffusers' ``RMSNorm`` QK norms (Qwen-Image, SD3.5, HunyuanVideo) run as one launch of ours (True;
     the sum of squares in another order: an element can differ by one rounding, rarely), or as Diffusers' own (False).
 
     A setting saves and loads as Diffusers' configurations do (:mod:`diffusers_trtllm.setting`):
