@@ -160,11 +160,7 @@ NORM_CALLS = {"qwenimage": 4 * 2, "sd35": 4 * 2 + 2 * 1, "hunyuanvideo": 4 * 1 +
 
 @pytest.mark.parametrize("family", sorted(NORM_CALLS))
 def test_our_layers_take_the_norms_over_and_the_forward_stays_stocks(family, launches):
-    model, inputs = tiny_models.build(family)
-    with torch.no_grad():
-        stock = model(**inputs)[0]
-        install(model, TrtllmAttnProcessor())
-        ours = model(**inputs)[0]
+    _, ours, stock = tiny_models.served_and_stock(family, TrtllmAttnProcessor(fused_qk_norm=True))
     assert torch.equal(ours, stock)
     assert len(launches) == NORM_CALLS[family]
     assert qk_norm.RMS_NORM in intercept.rebound_modules()
@@ -173,14 +169,14 @@ def test_our_layers_take_the_norms_over_and_the_forward_stays_stocks(family, lau
 def test_fused_qk_norm_off_stock_models_and_autograd_keep_diffusers_forward(launches):
     model, inputs = tiny_models.build("qwenimage")
     bystander, _ = tiny_models.build("qwenimage")
-    install(model, TrtllmAttnProcessor())
+    install(model, TrtllmAttnProcessor(fused_qk_norm=True))
     model(**inputs)  # autograd on: the kernel has no backward
     assert not launches
     with torch.no_grad():
-        install(model, TrtllmAttnProcessor(fused_qk_norm=False))
+        install(model, TrtllmAttnProcessor())  # the default: Diffusers' norms
         model(**inputs)
         assert not launches and not any(layer_of(m).fused_qk_norm for m in model.modules() if layer_of(m))
-        install(model, TrtllmAttnProcessor())
+        install(model, TrtllmAttnProcessor(fused_qk_norm=True))
         bystander(**inputs)  # a stock model beside ours: RMSNorm.forward is rebound, but no layer of ours runs
         assert not launches
         model(**inputs)
@@ -198,7 +194,7 @@ def _run_copies(model: torch.nn.Module, inputs: dict, launches: list) -> None:
 def test_a_stock_role_keeps_diffusers_norms(launches):
     model, inputs = tiny_models.build("qwenimage")
     with torch.no_grad():
-        install(model, TrtllmAttnProcessor(roles={"joint": "stock", "self": "stock"}))
+        install(model, TrtllmAttnProcessor(fused_qk_norm=True, roles={"joint": "stock", "self": "stock"}))
         model(**inputs)
     assert not launches
 
@@ -212,9 +208,9 @@ def test_copies_take_the_norms_over_and_uninstall_puts_diffusers_forward_back(la
     original = RMSNorm.forward
     model, inputs = tiny_models.build("qwenimage")
     flux, _ = tiny_models.build("flux")
-    install(flux, TrtllmAttnProcessor())
+    install(flux, TrtllmAttnProcessor(fused_qk_norm=True))
     assert RMSNorm.forward is original, "Flux's QK norms are torch.nn.RMSNorm's: nothing to take over"
-    install(model, TrtllmAttnProcessor())
+    install(model, TrtllmAttnProcessor(fused_qk_norm=True))
     _run_copies(model, inputs, launches)
     uninstall(model)
     uninstall(flux)
@@ -222,7 +218,7 @@ def test_copies_take_the_norms_over_and_uninstall_puts_diffusers_forward_back(la
 
 
 def test_processor_says_when_the_norms_stay_diffusers():
-    assert "fused_qk_norm=False" in repr(TrtllmAttnProcessor(fused_qk_norm=False))
+    assert "fused_qk_norm=True" in repr(TrtllmAttnProcessor(fused_qk_norm=True))
     with pytest.raises(TypeError, match="fused_qk_norm must be True or False"):
         TrtllmAttnProcessor(fused_qk_norm="no")
 
@@ -276,7 +272,7 @@ def test_served_qwenimage_forward_on_gpu_runs_the_kernel(monkeypatch):
               v.cuda() if torch.is_tensor(v) else v for k, v in inputs.items()}
     with torch.no_grad():
         stock = model(**inputs)[0]
-        install(model, TrtllmAttnProcessor())
+        install(model, TrtllmAttnProcessor(fused_qk_norm=True))
         ours = model(**inputs)[0]
     assert len(seen) == NORM_CALLS["qwenimage"]
     assert (ours.float() - stock.float()).abs().mean() / stock.float().abs().mean() < 0.02

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 import tiny_models
 from triton_support import compiled_for, fma_missing, interpreted
 from conftest import requires_cuda
-from diffusers_trtllm import TrtllmAttnProcessor, install
+from diffusers_trtllm import TrtllmAttnProcessor
 from diffusers_trtllm.kernels import rotary
 from diffusers_trtllm.serving import rotary as serving_rotary
 from diffusers_trtllm.serving.layer import layer_of
@@ -193,19 +193,10 @@ def _count_rotations(monkeypatch) -> list[tuple[int, ...]]:
     return seen
 
 
-def _ours_and_stock(family: str) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
-    model, inputs = tiny_models.build(family)
-    with torch.no_grad():
-        stock = model(**inputs)[0]
-        install(model, TrtllmAttnProcessor())
-        ours = model(**inputs)[0]
-    return model, ours, stock
-
-
 @pytest.mark.parametrize("family", ["wan_t2v", "wan_i2v"])
 def test_wan_forward_is_stocks_bit_for_bit_with_our_rotation(family, monkeypatch):
     seen = _count_rotations(monkeypatch)
-    model, ours, stock = _ours_and_stock(family)
+    model, ours, stock = tiny_models.served_and_stock(family, TrtllmAttnProcessor())
     assert torch.equal(ours, stock)
     deferred = [m for m in model.modules() if layer_of(m) is not None and layer_of(m).rotary is not None]
     # Self-attention (attn1) of each block; I2V's cross-attention has image projections and no rotary argument.
@@ -216,7 +207,7 @@ def test_wan_forward_is_stocks_bit_for_bit_with_our_rotation(family, monkeypatch
 @pytest.mark.parametrize("family", ["flux", "flux2"])
 def test_flux_forward_is_stocks_bit_for_bit_with_our_rotation(family, monkeypatch):
     seen = _count_rotations(monkeypatch)
-    model, ours, stock = _ours_and_stock(family)
+    model, ours, stock = tiny_models.served_and_stock(family, TrtllmAttnProcessor())
     assert torch.equal(ours, stock)
     attention = [m for m in model.modules() if layer_of(m) is not None]
     assert attention and all(layer_of(m).rotary is not None for m in attention)
@@ -234,7 +225,7 @@ JOINT_TOKENS = {
 @pytest.mark.parametrize("family", sorted(JOINT_TOKENS))
 def test_joint_forward_is_stocks_bit_for_bit_with_our_rotation(family, monkeypatch):
     seen = _count_rotations(monkeypatch)
-    model, ours, stock = _ours_and_stock(family)
+    model, ours, stock = tiny_models.served_and_stock(family, TrtllmAttnProcessor())
     assert torch.equal(ours, stock)
     blocks = len(model.transformer_blocks) + len(getattr(model, "single_transformer_blocks", ()))
     assert len(seen) == blocks and all(shape[1] == JOINT_TOKENS[family] for shape in seen)
@@ -242,7 +233,7 @@ def test_joint_forward_is_stocks_bit_for_bit_with_our_rotation(family, monkeypat
 
 def test_ltx_forward_is_stocks_bit_for_bit_with_our_rotation(monkeypatch):
     seen = _count_rotations(monkeypatch)
-    model, ours, stock = _ours_and_stock("ltx")
+    model, ours, stock = tiny_models.served_and_stock("ltx", TrtllmAttnProcessor())
     assert torch.equal(ours, stock)
     assert len(seen) == len(model.transformer_blocks)  # self-attention; cross-attention gets no rotary argument
 
@@ -251,11 +242,7 @@ def test_ltx_forward_is_stocks_bit_for_bit_with_our_rotation(monkeypatch):
 def test_fused_rotary_off_keeps_the_familys_own_rotation(family, monkeypatch):
     """``fused_rotary=False``: no rotation of ours; the family's processors turn Q and K, and the output is stock's."""
     seen = _count_rotations(monkeypatch)
-    model, inputs = tiny_models.build(family)
-    with torch.no_grad():
-        stock = model(**inputs)[0]
-        install(model, TrtllmAttnProcessor(fused_rotary=False))
-        ours = model(**inputs)[0]
+    model, ours, stock = tiny_models.served_and_stock(family, TrtllmAttnProcessor(fused_rotary=False))
     assert torch.equal(ours, stock)
     assert not seen and all(layer_of(m).rotary is None for m in model.modules() if layer_of(m) is not None)
 

@@ -32,7 +32,7 @@ EXAMPLES = {
     "collect_stats": True,
     "policy": "always",
     "fused_rotary": False,
-    "fused_qk_norm": False,
+    "fused_qk_norm": True,
 }
 #: Arguments that exclude each other: each example runs without the others.
 EXCLUSIVE = ("skip_softmax_threshold", "target_sparsity")

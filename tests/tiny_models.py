@@ -7,11 +7,25 @@ shrunk where that keeps every attention kind present. ``build(family)`` returns
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 FAMILIES = (
     "flux", "flux2", "sd3", "sd35", "wan_t2v", "wan_i2v", "qwenimage", "hunyuanvideo", "ltx", "cogvideox",
 )
+
+
+def served_and_stock(family: str, processor: Any) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    """A tiny ``family`` model, its output with ``processor`` installed, and its stock output before (no grad)."""
+    from diffusers_trtllm import install
+
+    model, inputs = build(family)
+    with torch.no_grad():
+        stock = model(**inputs)[0]
+        install(model, processor)
+        ours = model(**inputs)[0]
+    return model, ours, stock
 
 
 def _g(seed: int = 0) -> torch.Generator:

@@ -76,13 +76,13 @@ class ProcessorSetting:
     #: Stock Diffusers processors on one of Diffusers' own attention backends
     #: (``model.set_attention_backend``): what a user runs without this library, e.g. "sage".
     diffusers_backend: str | None = None
-    #: The processor's ``fused_qk_norm`` (False: Diffusers' own ``RMSNorm`` runs the QK norms).
-    fused_qk_norm: bool = True
+    #: The processor's ``fused_qk_norm`` (True: Diffusers' ``RMSNorm`` QK norms as our one launch).
+    fused_qk_norm: bool = False
 
     def processor_kwargs(self, threshold: float, backend: str) -> dict[str, Any]:
         kwargs: dict[str, Any] = {"backend": backend, "policy": self.policy}
-        if not self.fused_qk_norm:
-            kwargs["fused_qk_norm"] = False
+        if self.fused_qk_norm:
+            kwargs["fused_qk_norm"] = True
         if self.quant:
             quant: dict[str, Any] = {"dtype_qk": self.quant}
             if self.smooth_k is not None:
@@ -104,7 +104,7 @@ SETTINGS: dict[str, ProcessorSetting] = {
     for s in (
         ProcessorSetting("stock", stock=True),
         ProcessorSetting("dense"),
-        ProcessorSetting("dense-diffusers-norm", fused_qk_norm=False),
+        ProcessorSetting("dense-fused-norm", fused_qk_norm=True),
         ProcessorSetting("stock-sage2", diffusers_backend="sage"),
         ProcessorSetting("sage-int8", quant="int8"),
         ProcessorSetting("sage-int8-always", quant="int8", policy="always"),

@@ -117,7 +117,8 @@ class TrtllmAttnProcessor(PushToHubMixin):
     ``fused_rotary``: the family's rotary embedding (Wan, Flux, Flux.2, HunyuanVideo, LTX-Video, Qwen-Image,
     CogVideoX) runs as one launch of ours with the same values (True), or as the family's own code (False).
     ``fused_qk_norm``: Diffusers' ``RMSNorm`` QK norms (Qwen-Image, SD3.5, HunyuanVideo) run as one launch of ours (True;
-    the sum of squares in another order: an element can differ by one rounding, rarely), or as Diffusers' own (False).
+    the sum of squares in another order: an element can differ by one rounding, rarely), or as Diffusers' own (False,
+    the default until the kernel has run on a GPU).
 
     A setting saves and loads as Diffusers' configurations do (:mod:`diffusers_trtllm.setting`):
     ``proc.save_pretrained(folder, push_to_hub=False, repo_id=None)`` writes every constructor argument
@@ -145,7 +146,7 @@ class TrtllmAttnProcessor(PushToHubMixin):
         collect_stats: bool = False,
         policy: str = "auto",
         fused_rotary: bool = True,
-        fused_qk_norm: bool = True,
+        fused_qk_norm: bool = False,
     ) -> None:
         base = {
             "skip_softmax_threshold": skip_softmax_threshold,
@@ -167,7 +168,7 @@ class TrtllmAttnProcessor(PushToHubMixin):
         given = {k for k, v in base.items() if v is not None and v != defaults.get(k)}
         self._explicit = {role: given | set(roles[role] if isinstance(roles.get(role), Mapping) else ()) for role in ROLES}
         self._built_without_arguments = (not given and not roles and not collect_stats and fused_rotary is True
-                                         and fused_qk_norm is True)
+                                         and fused_qk_norm is False)
         self.roles = roles
         for name, flag in (("collect_stats", collect_stats), ("fused_rotary", fused_rotary),
                            ("fused_qk_norm", fused_qk_norm)):
@@ -493,7 +494,7 @@ class TrtllmAttnProcessor(PushToHubMixin):
                  "quant": s.quant.dtype_qk if s.quant else None, "backend": s.backend}
         others = {"fallback": (s.fallback, None), "roles": (self.roles or None, None), "policy": (s.policy, "auto"),
                   "collect_stats": (self.collect_stats, False), "fused_rotary": (self._fused_rotary, True),
-                  "fused_qk_norm": (self._fused_qk_norm, True)}
+                  "fused_qk_norm": (self._fused_qk_norm, False)}
         shown.update({name: value for name, (value, default) in others.items() if value != default})
         return f"TrtllmAttnProcessor({', '.join(f'{k}={v!r}' for k, v in shown.items())}, layers={len(self._layers)})"
 
