@@ -30,7 +30,7 @@ class ModelSpec:
     name: str
     #: Diffusers class name (``diffusers.<class_name>``).
     class_name: str
-    family: str  # "wan", "flux", "hunyuanvideo", "ltx" or "qwenimage": how inputs are built
+    family: str  # "wan", "flux", "hunyuanvideo", "ltx", "qwenimage" or "sd3": how inputs are built
     config: dict[str, Any]
     #: Latent of one sample: (channels, frames, height, width) for video, (height, width) for images.
     latent: tuple[int, ...]
@@ -106,6 +106,14 @@ _QWENIMAGE = {
     "joint_attention_dim": 3584, "num_attention_heads": 24, "num_layers": 60, "out_channels": 16, "patch_size": 2,
 }
 
+#: SD3.5-Large's transformer (stabilityai/stable-diffusion-3.5-large, 8B): 38 joint blocks of 38 heads of 64, QK
+#: norms in Diffusers' RMSNorm, no RoPE (learned positions).
+_SD35_LARGE = {
+    "attention_head_dim": 64, "caption_projection_dim": 2432, "in_channels": 16, "joint_attention_dim": 4096,
+    "num_attention_heads": 38, "num_layers": 38, "out_channels": 16, "patch_size": 2, "pooled_projection_dim": 2048,
+    "pos_embed_max_size": 192, "qk_norm": "rms_norm", "sample_size": 128,
+}
+
 _FLUX_DEV = ModelSpec(
     "flux.1-dev", "FluxTransformer2DModel", "flux",
     {
@@ -174,6 +182,16 @@ MODELS: dict[str, ModelSpec] = {
             (4, 4), 8,
             # contrast 48: 49.0% of the joint attention's tiles skipped at 0.05 (``e2e --probe --device cpu``).
             {"num_layers": 1, "num_attention_heads": 2}, contrast=48.0,
+        ),
+        ModelSpec(
+            # 1024x1024: a 16 x 128 x 128 latent, 2x2 patches: 4,096 image tokens beside 77 CLIP and 256 T5 tokens.
+            # No RoPE: structured weights cannot make its attention local (locality.py).
+            "sd3.5-large", "SD3Transformer2DModel", "sd3", _SD35_LARGE, (16, 128, 128), 333,
+            {"num_layers": 1, "num_attention_heads": 2, "attention_head_dim": 16, "caption_projection_dim": 32,
+             "joint_attention_dim": 16, "pooled_projection_dim": 16, "in_channels": 4, "out_channels": 4,
+             "sample_size": 8, "pos_embed_max_size": 16},
+            (4, 8, 8), 8,
+            {"num_layers": 1, "num_attention_heads": 2, "caption_projection_dim": 128},
         ),
     )
 }
@@ -273,4 +291,8 @@ def model_inputs(
                     encoder_hidden_states=randn(1, text, cfg.joint_attention_dim),
                     encoder_hidden_states_mask=torch.ones(1, text, device=device, dtype=torch.long),
                     img_shapes=[[(1, h, w)]], return_dict=False)
+    if spec.family == "sd3":  # as StableDiffusion3Pipeline passes them: the latent, CLIP and T5 tokens, pooled CLIP
+        return dict(hidden_states=randn(1, *latent), timestep=timestep,
+                    encoder_hidden_states=randn(1, text, cfg.joint_attention_dim),
+                    pooled_projections=randn(1, cfg.pooled_projection_dim), return_dict=False)
     raise ValueError(f"no input builder for family {spec.family!r}.")
