@@ -231,6 +231,7 @@ def test_processor_says_when_the_norms_stay_diffusers():
     ((2, 4429, 24, 64), True),  # SD3.5's [B, H, S, D] view, classifier-free guidance's batch of 2
 ])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@torch.no_grad()  # as a pipeline runs: the kernel has no backward
 def test_kernel_on_gpu_is_diffusers_but_for_rare_roundings(shape, heads_first, dtype):
     """Normalized values at most one rounding from Diffusers' (few: the order of the sum of squares), the weight's
     product on them as torch's, Diffusers' strides."""
