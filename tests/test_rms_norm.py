@@ -265,9 +265,10 @@ def test_served_qwenimage_forward_on_gpu_runs_the_kernel(monkeypatch):
 
     _, inputs = tiny_models.build("qwenimage")
     torch.manual_seed(0)
-    model = QwenImageTransformer2DModel(patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=64,
-                                        num_attention_heads=2, joint_attention_dim=16, guidance_embeds=False,
-                                        axes_dims_rope=(32, 16, 16))  # the tiny model's, with heads the kernel takes
+    # The tiny model's, with heads the kernel takes.
+    model = QwenImageTransformer2DModel(patch_size=2, in_channels=16, out_channels=4, num_layers=2,
+                                        attention_head_dim=64, num_attention_heads=2, joint_attention_dim=16,
+                                        guidance_embeds=False, axes_dims_rope=(32, 16, 16))
     model = model.cuda().to(torch.bfloat16)
     inputs = {k: v.cuda().to(torch.bfloat16) if torch.is_tensor(v) and v.is_floating_point() else
               v.cuda() if torch.is_tensor(v) else v for k, v in inputs.items()}

@@ -6,8 +6,9 @@ Qwen-Image's, SD3.5's and HunyuanVideo's processors normalize Q and K with Diffu
 ``RMSNorm.forward`` is rebound (once, and put back with the module globals when no layer of ours is left:
 ``intercept.restore_globals``) to a forward that runs the one-launch kernel only in a thread running such a layer's
 stock processor (``intercept._CALL.layer``) whose role is not left ``"stock"``, in plain eager execution, for
-``RMSNorm`` itself (a subclass may normalize otherwise) without a bias, on a CUDA tensor. Everything else runs Diffusers' own forward: a stock model in
-any thread, the CPU, ``torch.compile`` (Inductor fuses it), layouts the kernel does not take.
+``RMSNorm`` itself (a subclass may normalize otherwise) without a bias, on a CUDA tensor. Everything else runs
+Diffusers' own forward: a stock model in any thread, the CPU, ``torch.compile`` (Inductor fuses it), layouts the
+kernel does not take.
 Flux, Flux.2, Wan and LTX-Video use ``torch.nn.RMSNorm``, which torch already runs as one launch on CUDA.
 """
 
